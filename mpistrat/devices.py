@@ -1,0 +1,214 @@
+"""Device strings, array backends and placement.
+
+A device is named as in TensorFlow: ``"/cpu:0"``, ``"/gpu:1"``, ``"GPU:0"``,
+``"/device:CPU:0"`` or fully qualified
+``"/job:worker/replica:0/task:1/device:GPU:0"``. CPU devices hold NumPy
+arrays; ``/cpu:K`` is valid for any K (logical CPU devices, several replicas in
+one process). GPU devices hold CuPy arrays on CUDA device K; CuPy is imported
+only when a GPU device is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import numpy as np
+
+__all__ = [
+    "DeviceSpec",
+    "parse_device",
+    "canonicalize",
+    "is_gpu",
+    "device_index",
+    "array_module",
+    "to_device",
+    "device_of",
+    "device_scope",
+    "cupy_or_none",
+    "num_gpus",
+    "host_device",
+]
+
+_DEVICE_TYPES = {"CPU": "CPU", "GPU": "GPU"}
+_FIELD_RE = re.compile(
+    r"^(?:(?P<job>job:[A-Za-z0-9_\-]+)|(?P<replica>replica:\d+)|(?P<task>task:\d+)"
+    r"|(?P<device>device:(?P<dtype1>[A-Za-z]+):(?P<dindex1>\d+|\*))"
+    r"|(?P<short>(?P<dtype2>[A-Za-z]+)(?::(?P<dindex2>\d+|\*))?))$"
+)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed device name. ``device_type`` is "CPU" or "GPU"."""
+
+    job: str = "localhost"
+    replica: int = 0
+    task: int = 0
+    device_type: str = "CPU"
+    device_index: int = 0
+
+    def to_string(self) -> str:
+        """The canonical, fully qualified device string."""
+        return (
+            f"/job:{self.job}/replica:{self.replica}/task:{self.task}"
+            f"/device:{self.device_type}:{self.device_index}"
+        )
+
+    def replace(self, **changes: Any) -> "DeviceSpec":
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+
+def _malformed(device: Any, why: str) -> ValueError:
+    return ValueError(
+        f"Malformed device string {device!r}: {why}. Expected forms like '/cpu:0', "
+        "'/gpu:1', 'GPU:0', '/device:CPU:0' or '/job:worker/replica:0/task:1/device:GPU:0'."
+    )
+
+
+def parse_device(device: "str | DeviceSpec", *, job: str = "localhost", task: int = 0) -> DeviceSpec:
+    """Parse a device string; missing job/replica/task take the given defaults."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"A device must be a string like '/cpu:0', got {type(device).__name__}: {device!r}")
+    text = device.strip()
+    if not text:
+        raise _malformed(device, "it is empty")
+    fields: dict[str, Any] = {"job": job, "replica": 0, "task": task}
+    parts = [p for p in text.split("/")]
+    if parts[0] == "":
+        parts = parts[1:]
+    if not parts or any(p == "" for p in parts):
+        raise _malformed(device, "empty component")
+    seen_device = False
+    for part in parts:
+        m = _FIELD_RE.match(part)
+        if not m:
+            raise _malformed(device, f"cannot understand component {part!r}")
+        if m.group("job"):
+            fields["job"] = part.split(":", 1)[1]
+        elif m.group("replica"):
+            fields["replica"] = int(part.split(":", 1)[1])
+        elif m.group("task"):
+            fields["task"] = int(part.split(":", 1)[1])
+        else:
+            if seen_device:
+                raise _malformed(device, "more than one device component")
+            seen_device = True
+            dtype = (m.group("dtype1") or m.group("dtype2")).upper()
+            index = m.group("dindex1") or m.group("dindex2") or "0"
+            if dtype not in _DEVICE_TYPES:
+                raise _malformed(device, f"unknown device type {dtype!r} (only CPU and GPU)")
+            if index == "*":
+                index = "0"
+            fields["device_type"] = _DEVICE_TYPES[dtype]
+            fields["device_index"] = int(index)
+    if not seen_device:
+        raise _malformed(device, "no device type (CPU or GPU) given")
+    return DeviceSpec(**fields)
+
+
+def canonicalize(device: "str | DeviceSpec", *, job: str = "localhost", task: int = 0) -> str:
+    """``"/gpu:1"`` -> ``"/job:localhost/replica:0/task:0/device:GPU:1"``."""
+    return parse_device(device, job=job, task=task).to_string()
+
+
+def is_gpu(device: "str | DeviceSpec") -> bool:
+    """Whether the device is a GPU."""
+    return parse_device(device).device_type == "GPU"
+
+
+def device_index(device: "str | DeviceSpec") -> int:
+    """The device's index (K in ``/gpu:K``)."""
+    return parse_device(device).device_index
+
+
+def host_device(task: int = 0, job: str = "localhost") -> str:
+    """The canonical CPU:0 device of a task."""
+    return DeviceSpec(job=job, task=task).to_string()
+
+
+def cupy_or_none():
+    """The ``cupy`` module if it imports and sees a CUDA device, else None."""
+    try:
+        import cupy  # noqa: PLC0415
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        return cupy
+    except Exception:  # ImportError, CUDA driver errors
+        return None
+
+
+def num_gpus() -> int:
+    """How many CUDA devices CuPy sees (0 without CuPy or a GPU)."""
+    cp = cupy_or_none()
+    return 0 if cp is None else int(cp.cuda.runtime.getDeviceCount())
+
+
+def _require_cupy(device: str):
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError as exc:
+        raise RuntimeError(
+            f"Device {device!r} is a GPU but CuPy is not installed; install mpistrat[cuda12] "
+            "or mpistrat[cuda13], or use a '/cpu:K' device."
+        ) from exc
+    return cupy
+
+
+def array_module(device: "str | DeviceSpec"):
+    """The array module for a device: ``numpy`` for CPU, ``cupy`` for GPU."""
+    spec = parse_device(device)
+    if spec.device_type == "GPU":
+        return _require_cupy(str(device))
+    return np
+
+
+def _is_cupy_array(x: Any) -> bool:
+    return type(x).__module__.startswith("cupy") and hasattr(x, "device")
+
+
+def device_of(x: Any) -> str:
+    """The canonical device an array lives on (NumPy arrays and scalars: CPU:0)."""
+    if _is_cupy_array(x):
+        return DeviceSpec(device_type="GPU", device_index=int(x.device.id)).to_string()
+    return DeviceSpec().to_string()
+
+
+@contextlib.contextmanager
+def device_scope(device: "str | DeviceSpec") -> Iterator[None]:
+    """Make ``device`` current for CuPy (a no-op for CPU devices)."""
+    spec = parse_device(device)
+    if spec.device_type != "GPU":
+        yield
+        return
+    cupy = _require_cupy(str(device))
+    with cupy.cuda.Device(spec.device_index):
+        yield
+
+
+def to_device(x: Any, device: "str | DeviceSpec", *, copy: bool = False) -> Any:
+    """Place ``x`` (array, scalar or nested list) on ``device``.
+
+    CPU: a NumPy array (CuPy arrays are copied to the host). GPU K: a CuPy
+    array on device K. With ``copy=True`` the result never shares memory with
+    ``x``.
+    """
+    spec = parse_device(device)
+    if spec.device_type == "GPU":
+        cupy = _require_cupy(str(device))
+        with cupy.cuda.Device(spec.device_index):
+            if copy or not (_is_cupy_array(x) and x.device.id == spec.device_index):
+                return cupy.array(x, copy=True)
+            return x
+    if _is_cupy_array(x):
+        return x.get()
+    return np.array(x, copy=True) if copy else np.asarray(x)

@@ -1,0 +1,106 @@
+"""Nested structures (lists, tuples, namedtuples, dicts) of leaves, as ``tf.nest``.
+
+Dicts are traversed in sorted key order, so two ranks flatten equal
+structures identically. Anything else (arrays, scalars, DistributedValues,
+None) is a leaf.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["is_nested", "flatten", "pack_sequence_as", "map_structure", "assert_same_structure", "structure_signature"]
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def is_nested(x: Any) -> bool:
+    """Whether ``x`` is a list, tuple or dict (a structure, not a leaf)."""
+    return isinstance(x, (list, tuple, dict))
+
+
+def _children(x: Any) -> list:
+    if isinstance(x, dict):
+        return [x[k] for k in _sorted_keys(x)]
+    return list(x)
+
+
+def _sorted_keys(d: dict) -> list:
+    try:
+        return sorted(d)
+    except TypeError:
+        return sorted(d, key=repr)
+
+
+def flatten(structure: Any) -> list:
+    """The leaves of ``structure`` in a deterministic order."""
+    out: list = []
+    stack = [structure]
+    # Iterative depth-first walk keeping left-to-right order.
+    while stack:
+        x = stack.pop()
+        if is_nested(x):
+            stack.extend(reversed(_children(x)))
+        else:
+            out.append(x)
+    return out
+
+
+def _rebuild(template: Any, children: list) -> Any:
+    if isinstance(template, dict):
+        keys = _sorted_keys(template)
+        built = dict(zip(keys, children))
+        return type(template)((k, built[k]) for k in template) if type(template) is not dict else {k: built[k] for k in template}
+    if _is_namedtuple(template):
+        return type(template)(*children)
+    if isinstance(template, tuple):
+        return tuple(children)
+    return list(children)
+
+
+def pack_sequence_as(structure: Any, flat: list) -> Any:
+    """Inverse of :func:`flatten`: put ``flat`` leaves back into ``structure``'s shape."""
+    it = iter(flat)
+
+    def build(x: Any) -> Any:
+        if is_nested(x):
+            return _rebuild(x, [build(c) for c in _children(x)])
+        return next(it)
+
+    result = build(structure)
+    leftover = sum(1 for _ in it)
+    if leftover:
+        raise ValueError(f"pack_sequence_as: {leftover} more leaves than the structure holds")
+    return result
+
+
+def structure_signature(structure: Any) -> str:
+    """A short text describing the nesting (not the leaves), for comparisons and errors."""
+    if isinstance(structure, dict):
+        return "{" + ",".join(f"{k!r}:{structure_signature(structure[k])}" for k in _sorted_keys(structure)) + "}"
+    if _is_namedtuple(structure):
+        return type(structure).__name__ + "(" + ",".join(structure_signature(c) for c in structure) + ")"
+    if isinstance(structure, tuple):
+        return "(" + ",".join(structure_signature(c) for c in structure) + ")"
+    if isinstance(structure, list):
+        return "[" + ",".join(structure_signature(c) for c in structure) + "]"
+    return "."
+
+
+def assert_same_structure(a: Any, b: Any) -> None:
+    """Raise ValueError naming both structures if their nesting differs."""
+    sa, sb = structure_signature(a), structure_signature(b)
+    if sa != sb:
+        raise ValueError(f"The two structures don't have the same nested structure: {sa} vs {sb}")
+
+
+def map_structure(fn: Callable, *structures: Any) -> Any:
+    """Apply ``fn`` leaf-wise across structures of the same shape."""
+    if not structures:
+        raise ValueError("map_structure needs at least one structure")
+    for s in structures[1:]:
+        assert_same_structure(structures[0], s)
+    flats = [flatten(s) for s in structures]
+    return pack_sequence_as(structures[0], [fn(*leaves) for leaves in zip(*flats)])

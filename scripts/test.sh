@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Run every test: serial (1 rank), then MPI tests under mpiexec -n 2 and -n 4.
+# Every run has a per-test timeout (pytest-timeout) and an outer timeout; a failing
+# rank aborts the whole MPI job with its message (tests/conftest.py).
+# Usage: bash scripts/test.sh [extra pytest args, e.g. -k allreduce]
+set -u
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+. scripts/setup_venv.sh
+logs="$repo/.test-logs"
+rm -rf "$logs"; mkdir -p "$logs"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+status=0
+summary=()
+
+count() {  # count <junit files...> -> "P passed, F failed, S skipped"
+  python - "$@" <<'PY'
+import sys, xml.etree.ElementTree as ET
+tot = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for f in sys.argv[1:]:
+    try:
+        root = ET.parse(f).getroot()
+    except Exception:
+        continue
+    for s in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+        for k in tot:
+            tot[k] += int(s.get(k, 0))
+p = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+print(f"{p} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} skipped")
+PY
+}
+
+echo "=== serial tests (1 rank) ==="
+timeout -k 10 "${MPISTRAT_SERIAL_TIMEOUT:-900}" python -m pytest --with-mpi -q -p no:cacheprovider \
+  --junitxml="$logs/n1.xml" "$@" tests
+rc=$?; [ $rc -eq 0 ] || status=1
+summary+=("1 rank:  $(count "$logs/n1.xml")  (exit $rc)")
+
+for n in 2 4; do
+  echo "=== MPI tests, mpiexec -n $n ==="
+  # Each rank writes its own log and junit file; rank 0's log is shown.
+  timeout -k 10 "${MPISTRAT_MPI_TIMEOUT:-600}" mpiexec -n "$n" \
+    python scripts/rank_log.py "$logs/n$n" \
+    python -m pytest --only-mpi -q -p no:cacheprovider --junitxml="$logs/n$n-rank{rank}.xml" "$@" tests
+  rc=$?; [ $rc -eq 0 ] || status=1
+  cat "$logs/n$n-rank0.log" 2>/dev/null
+  if [ $rc -ne 0 ]; then
+    for f in "$logs"/n$n-rank*.log; do
+      [ "$f" = "$logs/n$n-rank0.log" ] && continue
+      if grep -qE "FAILED|Error|Timeout|Traceback" "$f"; then echo "--- $f ---"; tail -n 60 "$f"; fi
+    done
+  fi
+  summary+=("$n ranks: $(count "$logs"/n$n-rank*.xml)  (per rank, summed; exit $rc)")
+done
+
+echo "=== summary ==="
+for line in "${summary[@]}"; do echo "$line"; done
+if [ $status -eq 0 ]; then echo "all test runs passed"; else echo "SOME TEST RUNS FAILED (logs in $logs)"; fi
+# One closing line over all runs (MPI runs count each rank's results).
+echo "total: $(count "$logs"/*.xml | sed 's/, [0-9]* skipped//')"
+exit $status
