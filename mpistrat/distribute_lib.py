@@ -1,0 +1,584 @@
+"""Strategy, StrategyExtended and ReplicaContext: the machinery all strategies share.
+
+One ``StrategyExtended`` implementation serves every strategy. It is defined
+by this rank's local replica devices and, for multi-worker strategies, a
+``RankCommunicator`` over the MPI ranks. Global replica id = worker index x
+local replicas + local id. The concrete strategies (``one_device``,
+``mirrored``, ``multi_worker``) only choose devices, communicator and
+variable policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from mpistrat import context, nest
+from mpistrat import devices as dev
+from mpistrat.context import Frame
+from mpistrat.cross_device_ops import CrossDeviceOps, select_cross_device_ops
+from mpistrat.regroup import contains_distributed, local_values, regroup, select_replica
+from mpistrat.replica_group import ReplicaGroup
+from mpistrat.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+
+__all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "ValueContext", "RunOptions"]
+
+
+class ValueContext:
+    """What ``experimental_distribute_values_from_function``'s function learns about its replica."""
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
+        self._replica_id_in_sync_group = replica_id_in_sync_group
+        self._num_replicas_in_sync = num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """The global id of the replica the value is for."""
+        return self._replica_id_in_sync_group
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas in sync."""
+        return self._num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (f"ValueContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, "
+                f"num_replicas_in_sync={self._num_replicas_in_sync})")
+
+
+class RunOptions:
+    """Options for ``Strategy.run`` (accepted for compatibility; they do not change NumPy execution)."""
+
+    def __init__(self, experimental_enable_dynamic_batch_size: bool = True,
+                 experimental_bucketizing_dynamic_shape: bool = False,
+                 experimental_xla_options: Any = None):
+        self.experimental_enable_dynamic_batch_size = experimental_enable_dynamic_batch_size
+        self.experimental_bucketizing_dynamic_shape = experimental_bucketizing_dynamic_shape
+        self.experimental_xla_options = experimental_xla_options
+
+
+def _reduce_along(op: ReduceOp, x: Any, axis: int) -> Any:
+    xp = dev.array_module(dev.device_of(x))
+    x = xp.asarray(x)
+    if op is ReduceOp.SUM:
+        return x.sum(axis=axis)
+    if x.shape[axis] == 0:  # an empty batch contributes the identity of MIN/MAX
+        shape = x.shape[:axis] + x.shape[axis + 1:]
+        if x.dtype.kind == "f":
+            fill = np.inf if op is ReduceOp.MIN else -np.inf
+        else:
+            info = np.iinfo(x.dtype)
+            fill = info.max if op is ReduceOp.MIN else info.min
+        return xp.full(shape, fill, dtype=x.dtype)
+    return x.min(axis=axis) if op is ReduceOp.MIN else x.max(axis=axis)
+
+
+class ReplicaContext:
+    """The context of one replica inside ``Strategy.run``."""
+
+    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, local_replica_id: int = 0):
+        self._strategy = strategy
+        self._replica_id_in_sync_group = replica_id_in_sync_group
+        self._local_replica_id = local_replica_id
+
+    @property
+    def strategy(self) -> "Strategy":
+        """The strategy this replica belongs to."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas in sync across all workers."""
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's global id, in ``[0, num_replicas_in_sync)``."""
+        return self._replica_id_in_sync_group
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The device(s) this replica runs on."""
+        return (self._strategy.extended._local_devices[self._local_replica_id],)
+
+    def _meet(self, kind: str, payload: Any, fn: Callable[[list], Sequence[Any]]) -> Any:
+        return self._strategy.extended._group.rendezvous.meet(self._local_replica_id, kind, payload, fn)
+
+    def merge_call(self, merge_fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
+        """Pause all replicas, run ``merge_fn(strategy, *args)`` once in cross-replica context.
+
+        Arguments are regrouped (``PerReplica`` where replicas passed different
+        values); each replica gets its own component of the result.
+        """
+        kwargs = kwargs or {}
+        strategy = self._strategy
+        if context.in_cross_replica_context():
+            raise RuntimeError("merge_call called while defining a new graph or a tf.function. "
+                               "This can happen if the function `fn` passed to `strategy.run()` is nested inside "
+                               "a merge function; merge_call is only allowed in replica context.")
+
+        def run_merge(payloads: list) -> list:
+            grouped_args = regroup([p[0] for p in payloads]) if payloads[0][0] else ()
+            grouped_kwargs = regroup([p[1] for p in payloads]) if payloads[0][1] else {}
+            frame = Frame(strategy, None)
+            context.push(frame)
+            try:
+                result = merge_fn(strategy, *grouped_args, **grouped_kwargs)
+            finally:
+                context.pop(frame)
+            return [select_replica(i, result) for i in range(len(payloads))]
+
+        return self._meet("merge_call", (tuple(args), dict(kwargs)), run_merge)
+
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
+        """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""
+        op = ReduceOp.from_string(reduce_op)
+        if contains_distributed(value):
+            raise ValueError("all_reduce in replica context takes this replica's values; got a DistributedValues "
+                             "(pass it through strategy.run to unwrap it per replica).")
+        ext = self._strategy.extended
+        flat = nest.flatten(value)
+
+        def run_reduce(payloads: list) -> list:
+            _check_same_leaves("all_reduce", payloads)
+            return ext._cross_device_ops.batch_all_reduce(op, payloads, ext._local_devices, options)
+
+        reduced = self._meet("all_reduce", flat, run_reduce)
+        return nest.pack_sequence_as(value, reduced)
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        """Concatenate every replica's ``value`` along ``axis``, in global replica order."""
+        if contains_distributed(value):
+            raise ValueError("all_gather in replica context takes this replica's values, not a DistributedValues.")
+        ext = self._strategy.extended
+        flat = nest.flatten(value)
+
+        def run_gather(payloads: list) -> list:
+            _check_same_leaves("all_gather", payloads)
+            gathered = [ext._gather_leaf([p[j] for p in payloads], axis, options) for j in range(len(payloads[0]))]
+            return [[dev.to_device(g, d, copy=i > 0) for g in gathered] for i, d in enumerate(ext._local_devices)]
+
+        return nest.pack_sequence_as(value, self._meet("all_gather", flat, run_gather))
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, strategy={self._strategy!r})"
+
+
+def _check_same_leaves(kind: str, payloads: list) -> None:
+    counts = [len(p) for p in payloads]
+    if len(set(counts)) != 1:
+        raise ValueError(f"Replicas passed structures with different numbers of values to {kind}: {counts}")
+
+
+class _StrategyScope:
+    """Context manager returned by ``Strategy.scope()`` (TF's nesting rules)."""
+
+    def __init__(self, strategy: "Strategy"):
+        self._strategy = strategy
+        self._frame: Frame | None = None
+
+    def __enter__(self) -> "Strategy":
+        strategy = self._strategy
+        if strategy.extended._is_default:
+            if context.has_strategy():
+                raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
+            return strategy
+        if context.has_strategy():
+            frame = context.current_frame()
+            if frame.strategy is not strategy:
+                raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {frame.strategy} is not {strategy}")
+            if not frame.cross_replica:
+                raise RuntimeError("Method requires being in cross-replica context, use "
+                                   "get_replica_context().merge_call()")
+            return strategy  # re-entering the same strategy's scope is allowed
+        self._frame = Frame(strategy, None)
+        context.push(self._frame)
+        return strategy
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._frame is not None:
+            context.pop(self._frame)
+            self._frame = None
+
+
+class StrategyExtended:
+    """The additional API of a strategy (``strategy.extended``), and its implementation."""
+
+    _is_default = False
+    _distributed_variables = True
+
+    def __init__(self, container_strategy: "Strategy", local_devices: Sequence[str], *,
+                 cross_device_ops: CrossDeviceOps | None = None, communicator: Any = None,
+                 worker_index: int = 0, num_workers: int = 1, job: str = "localhost"):
+        if not local_devices:
+            raise ValueError("A strategy needs at least one device")
+        canonical = [dev.canonicalize(d, job=job, task=worker_index) for d in local_devices]
+        if len(set(canonical)) != len(canonical):
+            raise ValueError(f"No duplicates allowed in `devices` argument: {list(local_devices)}")
+        self._container_strategy_obj = container_strategy
+        self._local_devices = tuple(canonical)
+        self._num_local = len(canonical)
+        self._communicator = communicator
+        self._worker_index = worker_index
+        self._num_workers = num_workers
+        self._host_device = dev.host_device(task=worker_index, job=job)
+        self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._local_devices)
+        self._cross_device_ops._bind(communicator, self.num_replicas_in_sync)
+        self._group = ReplicaGroup(self._num_local)
+
+    # -- properties ---------------------------------------------------------------
+    def _container_strategy(self) -> "Strategy":
+        return self._container_strategy_obj
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas in sync across all workers."""
+        return self._num_local * self._num_workers
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """This worker's replica devices."""
+        return self._local_devices
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """The devices holding this worker's variable copies."""
+        return self._local_devices
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker should save checkpoints (the chief only)."""
+        return self._worker_index == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this worker should write summaries (the chief only)."""
+        return self._worker_index == 0
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """Whether this worker initialises variables (every worker does; values come from the chief)."""
+        return True
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        """True: every worker runs its own program (MPI SPMD)."""
+        return True
+
+    def _global_replica_id(self, local_id: int) -> int:
+        return self._worker_index * self._num_local + local_id
+
+    # -- running --------------------------------------------------------------------
+    def _check_distributed_args(self, structure: Any) -> None:
+        for leaf in nest.flatten(structure):
+            if isinstance(leaf, DistributedValues) and len(leaf.values) != self._num_local:
+                raise ValueError(
+                    f"A {type(leaf).__name__} with {len(leaf.values)} value(s) was passed to a strategy with "
+                    f"{self._num_local} local replica(s); it was probably made by another strategy."
+                )
+
+    def call_for_each_replica(self, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
+        """Run ``fn`` once per local replica in its replica context; regroup the results."""
+        kwargs = kwargs or {}
+        self._check_distributed_args((args, kwargs))
+        strategy = self._container_strategy()
+        frames = [[Frame(strategy, ReplicaContext(strategy, self._global_replica_id(i), i))]
+                  for i in range(self._num_local)]
+        scopes = [self._device_scope(d) for d in self._local_devices]
+        call_args = [(tuple(select_replica(i, list(args))), select_replica(i, kwargs)) for i in range(self._num_local)]
+        return regroup(self._group.run(fn, frames, scopes, call_args))
+
+    def _device_scope(self, device: str) -> Any:
+        return dev.device_scope(device) if dev.is_gpu(device) else contextlib.nullcontext()
+
+    # -- reductions -----------------------------------------------------------------
+    def _reduce_plan(self, value: Any, op: ReduceOp) -> tuple[str, Any]:
+        """How to reduce ``value``: ("reduce", local components) or ("place", the value as it is).
+
+        Follows tf.distribute: a Mirrored value's MEAN is itself; a plain value
+        is this worker's replica value when the worker has one replica and
+        there are several workers; otherwise a plain value is the same on every
+        replica, so MEAN/MIN/MAX give it back and SUM over several replicas is
+        an error (except the literal 0).
+        """
+        if isinstance(value, DistributedValues):
+            comps = tuple(_read(v) for v in local_values(value, self._num_local))
+            if op is ReduceOp.MEAN and getattr(value, "_is_mirrored", isinstance(value, Mirrored)):
+                return "place", comps[0]
+            return "reduce", comps
+        if self._num_workers > 1 and self._num_local == 1:
+            return "reduce", (value,)
+        if op is ReduceOp.SUM:
+            if not _is_array_like(value) and np.ndim(value) == 0 and value == 0:
+                return "place", value
+            if self.num_replicas_in_sync != 1:
+                raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given "
+                                 f"reduce op {op}.")
+            return "place", value
+        if self._num_workers == 1:
+            return "place", value
+        return "reduce", (value,) * self._num_local
+
+    def reduce_to(self, reduce_op: "ReduceOp | str", value: Any, destinations: Any, options: Any = None) -> Any:
+        """Combine a distributed value across all replicas and place it on ``destinations``."""
+        return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    def batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple],
+                        options: Any = None) -> list:
+        """Several ``reduce_to`` in one fused cross-replica reduction."""
+        op = ReduceOp.from_string(reduce_op)
+        context_strategy = context.get_strategy()
+        if context.has_strategy() and context_strategy is not self._container_strategy():
+            raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {context_strategy} is not "
+                               f"{self._container_strategy()}")
+        results: list[Any] = [None] * len(value_destination_pairs)
+        pending: list[tuple[int, PerReplica, Any]] = []
+        for k, (value, destinations) in enumerate(value_destination_pairs):
+            how, payload = self._reduce_plan(value, op)
+            if how == "reduce":
+                pending.append((k, PerReplica(payload), destinations))
+            elif _is_array_like(payload) or not (np.ndim(payload) == 0 and payload == 0):
+                results[k] = self._cross_device_ops.broadcast(payload, destinations)
+            else:
+                results[k] = payload
+        if pending:
+            reduced = self._cross_device_ops.batch_reduce(op, [(v, d) for _, v, d in pending], options)
+            for (k, _, _), r in zip(pending, reduced):
+                results[k] = r
+        return results
+
+    def _reduce(self, reduce_op: ReduceOp, value: Any) -> Any:
+        return self.reduce_to(reduce_op, value, self._host_device)
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Copy ``tensor`` to ``destinations``."""
+        return self._cross_device_ops.broadcast(tensor, destinations)
+
+    def _gather_leaf(self, local_values_: Sequence[Any], axis: int, options: Any) -> Any:
+        """Concatenate local replicas' values along ``axis`` and all-gather across ranks (on the host)."""
+        host = [dev.to_device(v, self._host_device) for v in local_values_]
+        for h in host:
+            if h.ndim == 0:
+                raise ValueError("gather/all_gather needs arrays with at least one dimension; got a scalar")
+            if not -h.ndim <= axis < h.ndim:
+                raise ValueError(f"axis {axis} is out of range for a value of rank {h.ndim}")
+        local = host[0] if len(host) == 1 else np.concatenate(host, axis=axis)
+        comm = self._communicator
+        if comm is not None and comm.size > 1:
+            return comm.allgather(local, axis=axis % local.ndim, options=options)
+        return local
+
+    # -- variables --------------------------------------------------------------------
+    def update(self, var: Any, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        """Run ``fn(copy, *args)`` on every local copy of ``var`` (in cross-replica context)."""
+        kwargs = kwargs or {}
+        if context.get_replica_context() is not None and not self._is_default:
+            raise RuntimeError("Method requires being in cross-replica context, use get_replica_context().merge_call()")
+        strategy = self._container_strategy()
+        if not isinstance(var, DistributedValues):
+            with self._device_scope(getattr(var, "device", self._host_device)):
+                return fn(var, *args, **kwargs)
+        results = []
+        for i, component in enumerate(var.values):
+            frame = Frame(strategy, None, update_replica=i)
+            context.push(frame)
+            try:
+                with self._device_scope(self._local_devices[i]):
+                    results.append(fn(component, *select_replica(i, list(args)), **select_replica(i, kwargs)))
+            finally:
+                context.pop(frame)
+        if not group:
+            return Mirrored(results) if len(results) > 1 else results[0]
+        if all(r is None for r in results):
+            return None
+        if all(r is results[0] for r in results) or len(results) == 1:
+            return results[0] if len(results) == 1 or all(r is results[0] for r in results) else Mirrored(results)
+        return Mirrored(results)
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable holding ``value`` (or ``value``)."""
+        return getattr(value, "_distributed_container", value)
+
+    def read_var(self, var: Any) -> Any:
+        """The variable's value in cross-replica context."""
+        return var.read_value()
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether ``v`` was created under this strategy's scope."""
+        return getattr(v, "_distribute_strategy", None) is self._container_strategy()
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Place variables created inside on the same devices as ``colocate_with_variable``."""
+        previous = getattr(self, "_colocation", None)
+        self._colocation = colocate_with_variable
+        try:
+            yield
+        finally:
+            self._colocation = previous
+
+    def _create_variable(self, kwargs: dict) -> Any:
+        from mpistrat import variables  # noqa: PLC0415  (variables import this module)
+
+        return variables.create_for_strategy(self._container_strategy(), kwargs)
+
+    def _broadcast_initial_values(self, arrays: list) -> list:
+        """The chief's values (multi-worker strategies broadcast them; others keep their own)."""
+        comm = self._communicator
+        if comm is not None and comm.size > 1:
+            return comm.broadcast(arrays, root=0)
+        return arrays
+
+
+def _is_array_like(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and getattr(value, "ndim", 0) > 0
+
+
+def _read(value: Any) -> Any:
+    """A variable component's current array; anything else as it is."""
+    return value.read_value() if getattr(value, "_is_variable", False) else value
+
+
+class Strategy:
+    """A way to run a computation on several devices and workers (tf.distribute.Strategy)."""
+
+    _extended_class = StrategyExtended
+
+    def __init__(self, extended: StrategyExtended):
+        self._extended = extended
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """Additional methods for advanced use (``StrategyExtended``)."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Number of replicas over which gradients are aggregated."""
+        return self._extended.num_replicas_in_sync
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver (None for single-worker strategies)."""
+        return getattr(self, "_cluster_resolver", None)
+
+    def scope(self) -> _StrategyScope:
+        """A context manager making this strategy current (cross-replica context)."""
+        return _StrategyScope(self)
+
+    def run(self, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None, options: RunOptions | None = None) -> Any:
+        """Run ``fn`` on each replica with the given arguments; per-replica results are regrouped."""
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"`args` to `run` must be a list or tuple, got {type(args).__name__}: {args!r}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"`kwargs` to `run` must be a dict, got {type(kwargs).__name__}")
+        if context.get_replica_context() is not None and context.has_strategy():
+            raise RuntimeError("strategy.run cannot be called inside a replica function (already in replica context)")
+        with self.scope():
+            return self._extended.call_for_each_replica(fn, args, kwargs)
+
+    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None) -> Any:
+        """Reduce ``value`` across replicas (and along ``axis`` within each replica) to the host."""
+        op = ReduceOp.from_string(reduce_op)
+        with self.scope():
+            if axis is None:
+                return self._extended._reduce(op, value)
+            if op is ReduceOp.MEAN:
+                def mean_parts(v: Any) -> tuple:
+                    xp = dev.array_module(dev.device_of(v))
+                    v = xp.asarray(v)
+                    numer = v.sum(axis=axis)
+                    return numer, xp.asarray(v.shape[axis], dtype=numer.dtype if numer.dtype.kind == "f" else np.float64)
+
+                numer, denom = self.run(mean_parts, args=(value,))
+                numer, denom = self._extended.batch_reduce_to(
+                    ReduceOp.SUM, [(numer, self._extended._host_device), (denom, self._extended._host_device)])
+                numer = np.asarray(numer)
+                return numer / np.asarray(denom).astype(numer.dtype if numer.dtype.kind == "f" else np.float64)
+            per_replica = self.run(lambda v: _reduce_along(op, v, axis), args=(value,))
+            return self._extended._reduce(op, per_replica)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate every replica's ``value`` along ``axis`` on the host (global replica order)."""
+        if not context.in_cross_replica_context() and context.has_strategy():
+            raise RuntimeError("`gather` must be called in cross-replica context; use ReplicaContext.all_gather")
+        comps = local_values(value, self._extended._num_local)
+        comps = tuple(_read(c) for c in comps)
+        return nest.map_structure(lambda *leaves: self._extended._gather_leaf(leaves, axis, None), *comps) \
+            if nest.is_nested(comps[0]) else self._extended._gather_leaf(comps, axis, None)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """This worker's per-replica values of ``value`` as a tuple (``(value,)`` for a plain value)."""
+        if isinstance(value, DistributedValues):
+            return tuple(value.values)
+        if nest.is_nested(value) and contains_distributed(value):
+            return tuple(select_replica(i, value) for i in range(self._extended._num_local))
+        return (value,)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """Call ``value_fn(ValueContext)`` for each local replica; a PerReplica of the results."""
+        ext = self._extended
+        values = []
+        for i, device in enumerate(ext._local_devices):
+            ctx = ValueContext(ext._global_replica_id(i), ext.num_replicas_in_sync)
+            with ext._device_scope(device):
+                values.append(value_fn(ctx))
+        return values[0] if len(values) == 1 else regroup(values)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Distribute a batched ``mpistrat.data.Dataset`` over the replicas (see mpistrat.data)."""
+        from mpistrat.data.distribute import DistributedDataset  # noqa: PLC0415
+
+        return DistributedDataset(dataset, self._input_worker_info(), options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """Build one dataset per worker (or replica) with ``dataset_fn(InputContext)`` and distribute them."""
+        from mpistrat.data.distribute import DistributedDatasetsFromFunction  # noqa: PLC0415
+
+        return DistributedDatasetsFromFunction(dataset_fn, self._input_worker_info(), options)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    def _input_worker_info(self) -> Any:
+        from mpistrat.input_options import InputWorkerInfo  # noqa: PLC0415
+
+        ext = self._extended
+        return InputWorkerInfo(
+            num_workers=ext._num_workers,
+            worker_index=ext._worker_index,
+            local_devices=ext._local_devices,
+            num_replicas_in_sync=ext.num_replicas_in_sync,
+            first_replica_id=ext._global_replica_id(0),
+            communicator=ext._communicator if ext._num_workers > 1 else None,
+        )
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} devices={list(self._extended._local_devices)}>"
+
+
+class _DefaultExtended(StrategyExtended):
+    _is_default = True
+    _distributed_variables = False
+
+
+class _DefaultDistributionStrategy(Strategy):
+    """The strategy in effect when no other is in scope: one replica, on the host."""
+
+    def __init__(self) -> None:
+        super().__init__(_DefaultExtended(self, ["/cpu:0"]))
+
+    def run(self, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"`args` to `run` must be a list or tuple, got {type(args).__name__}: {args!r}")
+        return fn(*args, **(kwargs or {}))
+
+    def __repr__(self) -> str:
+        return "<_DefaultDistributionStrategy>"
+
+
+def _default_strategy_and_replica_context() -> tuple[Strategy, ReplicaContext]:
+    strategy = _DefaultDistributionStrategy()
+    return strategy, ReplicaContext(strategy, 0, 0)

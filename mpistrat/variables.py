@@ -1,0 +1,514 @@
+"""Variables: plain, mirrored (ON_WRITE) and sync-on-read (ON_READ).
+
+``Variable(...)`` creates a plain variable on the current strategy's device,
+or, under the scope of a strategy with distributed variables (Mirrored,
+MultiWorkerMirrored), a ``MirroredVariable`` or ``SyncOnReadVariable`` with
+one copy per local replica device. Assignment follows tf.distribute: inside
+``strategy.run`` a mirrored variable aggregates the replicas' updates (its
+``aggregation``) and applies the same update to every copy; a sync-on-read
+variable updates only the replica's own copy and aggregates when read in
+cross-replica context.
+
+Assignments replace a copy's array rather than writing into it, so an array
+returned by ``value()`` is a snapshot that later updates do not change.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import itertools
+from typing import Any, Callable
+
+import numpy as np
+
+from mpistrat import context
+from mpistrat import devices as dev
+from mpistrat.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+
+__all__ = [
+    "VariableSynchronization",
+    "VariableAggregation",
+    "Variable",
+    "DistributedVariable",
+    "MirroredVariable",
+    "SyncOnReadVariable",
+]
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable's copies are synchronised."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How replicas' updates (or copies, for ON_READ) are combined."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+AGGREGATION_ERROR = (
+    "You must specify an aggregation method to update a {variable_type} in Replica Context. You can do so by "
+    "passing an explicit value for argument `aggregation` to mpistrat.Variable(..). e.g. "
+    "`mpistrat.Variable(..., aggregation=mpistrat.VariableAggregation.SUM)`. `VariableAggregation` lists the "
+    "possible aggregation methods. This is required because {variable_type} should always be kept in sync. When "
+    "updating them or assigning to them in a replica context, we automatically try to aggregate the values before "
+    "updating the variable. For this aggregation, we need to know the aggregation method. Another alternative is "
+    "to not try to update such {variable_type} in replica context, but in cross replica context. You can enter "
+    "cross replica context by calling `mpistrat.get_replica_context().merge_call(merge_fn, ..)`. Inside "
+    "`merge_fn`, you can then update the {variable_type} using `mpistrat.StrategyExtended.update()`."
+)
+
+_names = itertools.count()
+
+
+def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable:
+    if reflected:
+        return lambda self, other: op(_operand(other), self.value())
+    return lambda self, other: op(self.value(), _operand(other))
+
+
+def _operand(x: Any) -> Any:
+    return x.value() if getattr(x, "_is_variable", False) else x
+
+
+class _Operators:
+    """Arithmetic and comparison through the variable's current value."""
+
+    import operator as _op
+
+    __add__ = _binary(_op.add)
+    __radd__ = _binary(_op.add, True)
+    __sub__ = _binary(_op.sub)
+    __rsub__ = _binary(_op.sub, True)
+    __mul__ = _binary(_op.mul)
+    __rmul__ = _binary(_op.mul, True)
+    __truediv__ = _binary(_op.truediv)
+    __rtruediv__ = _binary(_op.truediv, True)
+    __floordiv__ = _binary(_op.floordiv)
+    __rfloordiv__ = _binary(_op.floordiv, True)
+    __mod__ = _binary(_op.mod)
+    __pow__ = _binary(_op.pow)
+    __rpow__ = _binary(_op.pow, True)
+    __matmul__ = _binary(_op.matmul)
+    __rmatmul__ = _binary(_op.matmul, True)
+    __lt__ = _binary(_op.lt)
+    __le__ = _binary(_op.le)
+    __gt__ = _binary(_op.gt)
+    __ge__ = _binary(_op.ge)
+    del _op
+
+    def __neg__(self) -> Any:
+        return -self.value()
+
+    def __abs__(self) -> Any:
+        return abs(self.value())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value()[index]
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+    def __int__(self) -> int:
+        return int(self.value())
+
+    __hash__ = object.__hash__
+
+
+class BaseVariable(_Operators):
+    """What every variable offers: reading, assigning, NumPy conversion."""
+
+    _is_variable = True
+    __array_priority__ = 100
+
+    # subclasses provide: value(), _assign(method, value), name, dtype, shape, device
+    def read_value(self) -> Any:
+        """The current value (an array on the variable's device)."""
+        return self.value()
+
+    def numpy(self) -> np.ndarray:
+        """The current value as a NumPy array on the host."""
+        return np.asarray(dev.to_device(self.value(), "/cpu:0"))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.numpy()
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
+        """Set the variable to ``value``."""
+        return self._assign("assign", value, read_value)
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
+        """Add ``delta`` to the variable."""
+        return self._assign("assign_add", delta, read_value)
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
+        """Subtract ``delta`` from the variable."""
+        return self._assign("assign_sub", delta, read_value)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def get_shape(self) -> tuple:
+        return self.shape
+
+    def __repr__(self) -> str:
+        try:
+            shown = np.array2string(self.numpy(), separator=", ")
+        except Exception as exc:  # a cross-replica read may need all replicas
+            shown = f"<unavailable: {exc}>"
+        return (f"<{type(self).__module__.split('.')[0]}.{type(self).__name__} '{self.name}' shape={self.shape} "
+                f"dtype={self.dtype.name}, numpy={shown}>")
+
+
+def _default_dtype(initial: Any, dtype: Any) -> np.dtype | None:
+    if dtype is not None:
+        return np.dtype(getattr(dtype, "name", dtype)) if not isinstance(dtype, np.dtype) else dtype
+    if hasattr(initial, "dtype"):
+        return None
+    probe = np.asarray(initial)
+    if probe.dtype == np.float64:
+        return np.dtype(np.float32)  # Python floats become float32, as in TensorFlow
+    if probe.dtype == np.int64 and not isinstance(initial, np.integer):
+        return np.dtype(np.int32)
+    return None
+
+
+def _initial_array(initial_value: Any, dtype: Any, device: str) -> Any:
+    if initial_value is None:
+        raise ValueError("initial_value must be specified.")
+    if callable(initial_value):
+        with dev.device_scope(device):
+            initial_value = initial_value()
+    target = _default_dtype(initial_value, dtype)
+    xp = dev.array_module(device)
+    with dev.device_scope(device):
+        arr = dev.to_device(initial_value, device, copy=True)
+        return arr if target is None or arr.dtype == target else xp.asarray(arr, dtype=target)
+
+
+class _VariableMeta(abc.ABCMeta):
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is Variable and "_array" not in kwargs:
+            strategy = context.get_strategy()
+            if strategy.extended._distributed_variables:
+                if not context.in_cross_replica_context():
+                    raise RuntimeError(
+                        f"Variables of {type(strategy).__name__} must be created in cross-replica context "
+                        "(under strategy.scope()), not inside strategy.run.")
+                return strategy.extended._create_variable(_bind_variable_args(*args, **kwargs))
+        return super().__call__(*args, **kwargs)
+
+
+def _bind_variable_args(initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
+                        dtype: Any = None, synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+                        aggregation: VariableAggregation = VariableAggregation.NONE, shape: Any = None,
+                        **unknown: Any) -> dict:
+    if unknown:
+        raise TypeError(f"Variable got unexpected keyword argument(s): {sorted(unknown)}")
+    return dict(initial_value=initial_value, trainable=trainable, name=name, dtype=dtype,
+                synchronization=synchronization, aggregation=aggregation, shape=shape)
+
+
+def _validate(kwargs: dict) -> tuple[VariableSynchronization, VariableAggregation, bool]:
+    sync, agg, trainable = kwargs["synchronization"], kwargs["aggregation"], kwargs["trainable"]
+    if not isinstance(sync, VariableSynchronization):
+        raise ValueError(f"Invalid variable synchronization mode: {sync} for variable: {kwargs['name']}")
+    if not isinstance(agg, VariableAggregation):
+        raise ValueError(f"Invalid variable aggregation mode: {agg} for variable: {kwargs['name']}")
+    if trainable is None:
+        trainable = sync is not VariableSynchronization.ON_READ
+    elif trainable and sync is VariableSynchronization.ON_READ:
+        raise ValueError("Synchronization value can be set to VariableSynchronization.ON_READ only for "
+                         "non-trainable variables. You have specified trainable=True and "
+                         "synchronization=VariableSynchronization.ON_READ.")
+    return sync, agg, bool(trainable)
+
+
+class Variable(BaseVariable, metaclass=_VariableMeta):
+    """A mutable array on one device (``tf.Variable``); distributed under a multi-replica scope."""
+
+    def __init__(self, initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
+                 dtype: Any = None, synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+                 aggregation: VariableAggregation = VariableAggregation.NONE, shape: Any = None,
+                 *, _device: str | None = None, _array: Any = None):
+        kwargs = _bind_variable_args(initial_value, trainable, name, dtype, synchronization, aggregation, shape)
+        sync, agg, trainable = _validate(kwargs)
+        strategy = context.get_strategy()
+        device = _device or strategy.extended._local_devices[0]
+        self._device = dev.canonicalize(device)
+        self._array = _array if _array is not None else _initial_array(initial_value, dtype, self._device)
+        self._name = name if name is not None else f"Variable_{next(_names)}"
+        self._trainable = trainable
+        self._synchronization = sync
+        self._aggregation = agg
+        self._distribute_strategy = strategy
+        self._distributed_container = None
+        if shape is not None and tuple(shape) != tuple(self._array.shape):
+            raise ValueError(f"Variable {self._name}: initial value has shape {tuple(self._array.shape)}, "
+                             f"not the given shape {tuple(shape)}")
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._array.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self._array.shape)
+
+    @property
+    def device(self) -> str:
+        """The canonical device, e.g. ``/job:localhost/replica:0/task:0/device:CPU:0``."""
+        return self._device
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    def value(self) -> Any:
+        """The current array (a snapshot: later assignments replace, not modify, it)."""
+        return self._array
+
+    def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
+        if isinstance(value, DistributedValues):
+            raise ValueError(
+                f"Cannot assign a {type(value).__name__} to variable {self._name}, which holds a single value; "
+                "reduce it first (strategy.reduce) or update it per replica with strategy.extended.update.")
+        new = dev.to_device(_operand(value), self._device)
+        with dev.device_scope(self._device):
+            xp = dev.array_module(self._device)
+            if method == "assign":
+                new = xp.array(new, dtype=self.dtype, copy=True)
+                if new.shape != self._array.shape:
+                    raise ValueError(f"Cannot assign a value of shape {new.shape} to variable {self._name} "
+                                     f"of shape {self._array.shape}")
+            elif method == "assign_add":
+                new = xp.asarray(self._array + new).astype(self.dtype, copy=False)
+            else:
+                new = xp.asarray(self._array - new).astype(self.dtype, copy=False)
+            if new.shape != self._array.shape:
+                raise ValueError(f"Update of variable {self._name} would change its shape from "
+                                 f"{self._array.shape} to {new.shape}")
+            self._array = new
+        return self
+
+
+class DistributedVariable(BaseVariable, DistributedValues):
+    """A variable with one copy per local replica device."""
+
+    _is_mirrored = False
+    _is_sync_on_read = False
+
+    def __init__(self, strategy: Any, components: list[Variable], name: str, trainable: bool,
+                 synchronization: VariableSynchronization, aggregation: VariableAggregation):
+        DistributedValues.__init__(self, components)
+        self._strategy = strategy
+        self._distribute_strategy = strategy
+        self._name = name
+        self._trainable = trainable
+        self._synchronization = synchronization
+        self._aggregation = aggregation
+        for c in components:
+            c._distributed_container = self
+
+    @property
+    def distribute_strategy(self) -> Any:
+        return self._strategy
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._values[0].dtype
+
+    @property
+    def shape(self) -> tuple:
+        return self._values[0].shape
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    def _devices(self) -> tuple[str, ...]:
+        return tuple(c.device for c in self._values)
+
+    def _local_component(self) -> Variable | None:
+        local_id = context.current_local_replica_id()
+        return None if local_id is None else self._values[local_id]
+
+    @property
+    def device(self) -> str:
+        """The device of the current replica's copy (the primary copy in cross-replica context)."""
+        comp = self._local_component()
+        return (comp or self._values[0]).device
+
+    @property
+    def primary(self) -> Variable:
+        """The first local copy."""
+        return self._values[0]
+
+    def _in_this_strategy(self) -> None:
+        if context.has_strategy() and context.get_strategy() is not self._strategy:
+            raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {context.get_strategy()} is not "
+                               f"{self._strategy}")
+
+    def _first_replica_value(self, value: Any) -> Any:
+        """The value of global replica 0 (rank 0's first local replica), on every rank."""
+        first = value.values[0] if isinstance(value, DistributedValues) else value
+        comm = self._strategy.extended._communicator
+        if comm is not None and comm.size > 1:
+            first = comm.broadcast([np.asarray(dev.to_device(first, "/cpu:0"))], root=0)[0]
+        return first
+
+
+class MirroredVariable(DistributedVariable, Mirrored):
+    """A variable kept identical on every replica (synchronization ON_WRITE)."""
+
+    _is_mirrored = True
+
+    def value(self) -> Any:
+        comp = self._local_component()
+        return (comp or self._values[0]).value()
+
+    def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
+        self._in_this_strategy()
+        update_id = context.update_replica_id()
+        if update_id is not None:
+            self._values[update_id]._assign(method, value)
+            return self
+        ext = self._strategy.extended
+        if context.in_cross_replica_context() or not context.has_strategy():
+            if isinstance(value, PerReplica):
+                raise ValueError(
+                    f"Cannot assign a PerReplica value to MirroredVariable {self._name} in cross-replica context: "
+                    "its copies must stay identical. Reduce the value first (strategy.reduce / extended.reduce_to), "
+                    "or assign inside strategy.run with an aggregation.")
+            ext.update(self, lambda comp, v: comp._assign(method, v), args=(value,))
+            return self
+        if self._aggregation is VariableAggregation.NONE:
+            raise ValueError(AGGREGATION_ERROR.format(variable_type="MirroredVariable"))
+        if isinstance(value, DistributedValues):
+            raise ValueError(
+                f"Cannot update MirroredVariable {self._name} in replica context with a {type(value).__name__}: "
+                "pass this replica's own value (strategy.run unwraps distributed arguments per replica).")
+        var = self
+
+        def merge_fn(strategy: Any, v: Any) -> None:
+            if var._aggregation is VariableAggregation.MEAN and var.dtype.kind not in "fc" and isinstance(v, PerReplica):
+                raise ValueError("Cannot update non-float variables with VariableAggregation.MEAN aggregation in "
+                                 "replica context. Either change the variable dtype to float or update it in "
+                                 "cross-replica context.")
+            if var._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+                reduced = var._first_replica_value(v)
+            else:
+                op = ReduceOp.from_variable_aggregation(var._aggregation)
+                reduced = strategy.extended.reduce_to(op, v, var)
+            strategy.extended.update(var, lambda comp, r: comp._assign(method, r), args=(reduced,))
+
+        context.get_replica_context().merge_call(merge_fn, args=(value,))
+        return self
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """A variable each replica updates alone; reads in cross-replica context aggregate the copies."""
+
+    _is_sync_on_read = True
+
+    def value(self) -> Any:
+        comp = self._local_component()
+        if comp is not None:
+            return comp.value()
+        if not context.in_cross_replica_context() and not context.has_strategy():
+            return self._values[0].value()
+        return self._cross_replica_value()
+
+    def _cross_replica_value(self) -> Any:
+        agg = self._aggregation
+        if agg is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._first_replica_value(PerReplica([c.value() for c in self._values]))
+        if agg is VariableAggregation.NONE:
+            raise ValueError(f"SyncOnReadVariable {self._name} has aggregation NONE, so it has no value in "
+                             "cross-replica context; give it SUM, MEAN or ONLY_FIRST_REPLICA, or read it inside "
+                             "strategy.run.")
+        op = ReduceOp.from_variable_aggregation(agg)
+        return self._strategy.extended.reduce_to(op, PerReplica([c.value() for c in self._values]),
+                                                 self._values[0].device)
+
+    def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
+        self._in_this_strategy()
+        comp = self._local_component()
+        if comp is not None:
+            comp._assign(method, value)
+            return self
+        if isinstance(value, PerReplica):
+            raise ValueError(f"Cannot assign a PerReplica value to SyncOnReadVariable {self._name} in "
+                             "cross-replica context; assign inside strategy.run to set each replica's copy.")
+        if self._aggregation is VariableAggregation.SUM:
+            if method != "assign":
+                raise ValueError(f"SyncOnReadVariable does not support `{method}` in cross-replica context when "
+                                 "aggregation is set to `VariableAggregation.SUM`.")
+            # Preserve the sum: every copy holds value / num_replicas_in_sync.
+            n = self._strategy.num_replicas_in_sync
+            value = dev.to_device(value, "/cpu:0")
+            value = np.asarray(value / n).astype(self.dtype)
+        for c in self._values:
+            c._assign(method, value)
+        return self
+
+
+def create_for_strategy(strategy: Any, kwargs: dict) -> DistributedVariable:
+    """Create the distributed variable for ``Variable(**kwargs)`` under ``strategy``'s scope."""
+    sync, agg, trainable = _validate(kwargs)
+    name = kwargs["name"] if kwargs["name"] is not None else f"Variable_{next(_names)}"
+    if sync is VariableSynchronization.NONE:
+        raise ValueError("`NONE` variable synchronization mode is not supported with tf.distribute strategy. "
+                         f"Please change the `synchronization` for variable: {name}")
+    ext = strategy.extended
+    devices = ext._local_devices
+    initial = _initial_array(kwargs["initial_value"], kwargs["dtype"], devices[0])
+    host = np.asarray(dev.to_device(initial, "/cpu:0"))
+    if kwargs["shape"] is not None and tuple(kwargs["shape"]) != host.shape:
+        raise ValueError(f"Variable {name}: initial value has shape {host.shape}, not the given shape "
+                         f"{tuple(kwargs['shape'])}")
+    host = ext._broadcast_initial_values([host])[0]
+    components = [
+        Variable(trainable=trainable, name=name, synchronization=sync, aggregation=agg,
+                 _device=d, _array=dev.to_device(host, d, copy=True))
+        for d in devices
+    ]
+    cls = SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable
+    return cls(strategy, components, name, trainable, sync, agg)
+
+
+Variable.register(DistributedVariable)
