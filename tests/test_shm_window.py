@@ -1,0 +1,108 @@
+"""Shared-memory windows: segments, synchronisation, timeouts, lifetime."""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpistrat.comm.shm_window import PAGE_SIZE, CounterSync, SharedWindow, make_sync
+
+
+@pytest.fixture
+def node():
+    c = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    yield c
+    c.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["barrier", "counter"])
+def test_segments_visible_to_peers(node, kind):
+    w = SharedWindow(node, 1000)
+    s = make_sync(w, kind)
+    try:
+        assert w.nbytes % PAGE_SIZE == 0 and w.nbytes >= 1000
+        for r in range(w.size):
+            assert w.segment(r).ctypes.data % PAGE_SIZE == 0
+            assert w.segment(r).nbytes == w.nbytes
+        assert not w.segment(w.rank).any(), "pre-faulted segment must start zeroed"
+        for epoch in range(1, 101):
+            mine = w.view(w.rank, np.int64, 8, 4)
+            mine[:] = epoch * 1000 + w.rank
+            s.wait()
+            seen = [int(w.view(r, np.int64, 8, 4)[3]) for r in range(w.size)]
+            assert seen == [epoch * 1000 + r for r in range(w.size)]
+            s.wait()  # nobody writes the next epoch before all have read this one
+    finally:
+        s.free()
+        w.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_counter_sync_timeout_names_missing_ranks(node):
+    w = SharedWindow(node, 64)
+    s = CounterSync(w, timeout=0.3, rank_names=[100 + r for r in range(w.size)])
+    try:
+        if w.rank == 0:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match=r"\[101"):
+                s.wait()
+            assert time.monotonic() - t0 < 5
+        node.Barrier()
+        if w.rank != 0:
+            s.wait()  # catch up: rank 0's counter already holds this epoch
+        s.wait()  # everyone in step again
+    finally:
+        s.free()
+        w.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_free_releases_window_and_refuses_views(node):
+    w = SharedWindow(node, 4096)
+    ref = weakref.ref(w.segment(0))
+    w.free()
+    assert w.win == MPI.WIN_NULL
+    assert ref() is None
+    with pytest.raises(RuntimeError, match="closed"):
+        w.segment(0)
+    w.free()  # idempotent
+
+
+@pytest.mark.mpi(min_size=2)
+def test_free_keeps_memory_while_a_view_lives(node):
+    w = SharedWindow(node, 4096)
+    held = w.view(0, np.int32, 0, 4) if w.rank == 1 else None
+    if w.rank == 0:
+        w.view(0, np.int32, 0, 4)[:] = 7
+    w.sync()
+    node.Barrier()
+    w.sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w.free()
+    assert any(issubclass(c.category, ResourceWarning) for c in caught), "every rank must be warned"
+    assert w.win != MPI.WIN_NULL, "memory must stay mapped while a view lives"
+    if held is not None:
+        assert held.tolist() == [7, 7, 7, 7]
+    del held
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="nbytes"):
+        SharedWindow(MPI.COMM_SELF, -1)
+    w = SharedWindow(MPI.COMM_SELF, 100)
+    try:
+        with pytest.raises(ValueError, match="unknown node synchronisation"):
+            make_sync(w, "fence")
+        with pytest.raises(ValueError, match="does not fit"):
+            w.view(0, np.float64, 0, w.nbytes)
+        with pytest.raises(ValueError, match="does not fit"):
+            w.view(0, np.float64, 4, 1)
+    finally:
+        w.free()
