@@ -11,6 +11,7 @@ variable policy.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -227,6 +228,7 @@ class StrategyExtended:
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._local_devices)
         self._cross_device_ops._bind(communicator, self.num_replicas_in_sync)
         self._group = ReplicaGroup(self._num_local)
+        weakref.finalize(self, self._group.close)  # stop replica threads with the strategy
 
     # -- properties ---------------------------------------------------------------
     def _container_strategy(self) -> "Strategy":
@@ -526,7 +528,7 @@ class Strategy:
             ctx = ValueContext(ext._global_replica_id(i), ext.num_replicas_in_sync)
             with ext._device_scope(device):
                 values.append(value_fn(ctx))
-        return values[0] if len(values) == 1 else regroup(values)
+        return values[0] if len(values) == 1 else PerReplica(values)
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Distribute a batched ``mpistrat.data.Dataset`` over the replicas (see mpistrat.data)."""

@@ -113,7 +113,11 @@ class Rendezvous:
                 while self._generation == generation and self._abort is None:
                     self._cond.wait()
                 if self._generation == generation:
-                    raise ReplicaAbortedError(f"Replica {local_id} stopped waiting in {kind}") from self._abort
+                    if isinstance(self._abort, CollectiveOrderError):
+                        raise self._abort
+                    raise ReplicaAbortedError(
+                        f"Replica {local_id} stopped waiting in {kind}: another replica raised "
+                        f"{type(self._abort).__name__}: {self._abort}") from self._abort
             results, error, runner = self._outcome
         if error is not None:
             if runner == local_id:
@@ -137,6 +141,7 @@ class _ReplicaThread(threading.Thread):
             if job is None:
                 return
             self.group._run_one(self.local_id, *job)
+            del job  # do not keep the last step's function and arguments alive
 
 
 class ReplicaGroup:
@@ -201,12 +206,14 @@ class ReplicaGroup:
             for _ in range(self.num_local):
                 self._done.get()
             errors = [(i, e) for i, e in enumerate(self._errors) if e is not None]
+            results, self._results = self._results, [None] * self.num_local
+            self._errors = [None] * self.num_local
             if errors:
                 # Prefer the error that started it over the consequences in other replicas.
                 primary = [(i, e) for i, e in errors if not isinstance(e, ReplicaAbortedError)]
                 _, exc = (primary or errors)[0]
                 raise exc
-            return list(self._results)
+            return results
 
     def close(self) -> None:
         """Stop the replica threads."""
