@@ -2,9 +2,11 @@
 
 ``expand_hostlist("n[1-2],m5,o[3-4,6,7-9]")`` gives
 ``["n1", "n2", "m5", "o3", "o4", "o6", "o7", "o8", "o9"]``: order is kept,
-duplicates are kept, zero padding is kept (``n[001-003]``), and several
-bracket groups in one name expand as Slurm does (``r[1-2]n[1-2]`` gives
-``r1n1, r1n2, r2n1, r2n2``). ``expand_tasks_per_node("2(x2),1")`` gives
+duplicates are kept, zero padding follows the first bound (``n[001-3]`` gives
+``n001, n002, n003``), and several bracket groups in one name expand as Slurm
+does (``r[1-2]n[1-2]`` gives ``r1n1, r1n2, r2n1, r2n2``). Text after a bracket
+(``gpu[1-2]-ib``) is accepted as python-hostlist reads it, although Slurm
+22.05's ``scontrol`` rejects it. ``expand_tasks_per_node("2(x2),1")`` gives
 ``[2, 2, 1]``. These are short, pure-Python functions with no dependency; the
 results are checked against Slurm's own ``scontrol show hostnames`` in the
 Slurm tests.

@@ -1,0 +1,121 @@
+"""``python -m mpistrat info``: one process, mpiexec -n 4, JSON, and the command line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from mpi4py import MPI
+
+from mpistrat.__main__ import COMMANDS, main
+from mpistrat.devices import num_gpus
+from mpistrat.info import collect, format_table, mpi_cuda_support
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_"))}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.update(extra)
+    return env
+
+
+def _run(args, timeout=120, **extra):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=_env(**extra),
+                          stdin=subprocess.DEVNULL)
+
+
+def _mpiexec():
+    path = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if path is None:
+        pytest.skip("no mpiexec next to the Python interpreter (install mpistrat[mpich])")
+    return path
+
+
+def _rows(stdout):
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("rank "))
+    return [line.split() for line in lines[start + 1:] if line.strip()]
+
+
+def test_info_single_process():
+    out = _run([sys.executable, "-m", "mpistrat", "info"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("MPI library:  ")
+    assert MPI.Get_library_version().split()[0] in out.stdout  # e.g. "MPICH"
+    assert "world size:   1" in out.stdout
+    rows = _rows(out.stdout)
+    assert len(rows) == 1
+    rank, host, node, local, threads = rows[0][:5]
+    assert (rank, node, local) == ("0", "0/1", "0/1")
+    assert host == MPI.Get_processor_name()
+    assert threads in ("single", "funneled", "serialized", "multiple")
+    expected = ",".join([f"/gpu:{i}" for i in range(num_gpus())] or ["/cpu:0"])
+    assert rows[0][-1] == expected
+
+
+def test_info_mpiexec_four_rows():
+    out = _run([_mpiexec(), "-n", "4", sys.executable, "-m", "mpistrat", "info"], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "world size:   4" in out.stdout
+    rows = _rows(out.stdout)
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert [r[3] for r in rows] == ["0/4", "1/4", "2/4", "3/4"]
+    assert out.stdout.count("MPI library:") == 1  # only rank 0 prints
+
+
+def test_info_json_pretend_nodes():
+    out = _run([_mpiexec(), "-n", "4", sys.executable, "-m", "mpistrat", "info", "--json"],
+               MPISTRAT_PRETEND_NODES="2")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["job"]["world_size"] == 4
+    ranks = data["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert [(r["node"], r["local_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["nodes"] == 2 and r["resolver"] == "MPIClusterResolver" for r in ranks)
+    assert all(r["cuda_aware"] in (True, False, None) and r["devices"] for r in ranks)
+
+
+def test_command_line_usage():
+    assert "info" in COMMANDS
+    out = _run([sys.executable, "-m", "mpistrat"])
+    assert out.returncode == 2 and "info" in out.stdout
+    out = _run([sys.executable, "-m", "mpistrat", "nosuchcommand"])
+    assert out.returncode == 2 and "invalid choice: 'nosuchcommand'" in out.stderr
+
+
+def test_main_in_process(capsys):
+    assert main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ranks"][0]["size"] == MPI.COMM_WORLD.Get_size()
+
+
+def test_format_table_columns():
+    job, rows = collect(MPI.COMM_SELF)
+    text = format_table(job, rows)
+    header = next(line for line in text.splitlines() if line.startswith("rank "))
+    for column in ("host", "node", "local", "threads", "cuda-aware", "resolver", "cupy", "gpus", "devices"):
+        assert column in header
+    assert rows[0]["gpus"] == num_gpus()
+
+
+def test_cuda_support_of_pypi_mpich():
+    version = MPI.Get_library_version()
+    if "pypi.org/p/mpich" not in version:
+        pytest.skip("only the PyPI MPICH build is known here (built without CUDA)")
+    assert mpi_cuda_support() is False
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collect_gathers_every_rank(comm):
+    result = collect(comm)
+    if comm.Get_rank() == 0:
+        job, rows = result
+        assert job["world_size"] == comm.Get_size()
+        assert [r["rank"] for r in rows] == list(range(comm.Get_size()))
+        assert len(format_table(job, rows).splitlines()) == 4 + 1 + comm.Get_size()
+    else:
+        assert result is None

@@ -1,0 +1,133 @@
+"""Cluster resolvers and ``info`` inside real Slurm steps (local single-node cluster).
+
+The ``slurm_cluster`` fixture (tests/slurm.py) installs and starts Slurm when
+needed; these tests skip only when Slurm cannot be installed.
+"""
+
+import json
+import sys
+import textwrap
+
+import pytest
+from slurm import slurm_cluster  # noqa: F401  (the fixture)
+
+from mpistrat.comm.hostlist import expand_hostlist
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]  # first use may apt-get install
+
+PROBE = textwrap.dedent("""\
+    import json, os, sys
+    from mpistrat.comm.cluster import SlurmClusterResolver
+    gpus_per_node = int(sys.argv[1]) if len(sys.argv) > 1 else None
+    s = SlurmClusterResolver(gpus_per_node=gpus_per_node)   # before MPI and CUDA
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    from mpi4py import MPI
+    from mpistrat.comm.cluster import MPIClusterResolver, default_cluster_resolver
+    m = MPIClusterResolver()
+    d = default_cluster_resolver()
+    print(json.dumps({
+        "procid": int(os.environ["SLURM_PROCID"]), "localid": int(os.environ["SLURM_LOCALID"]),
+        "rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
+        "slurm": {"task": [s.task_type, s.task_id], "spec": s.cluster_spec().as_dict(),
+                  "gpus": s.num_accelerators(), "devices": s.local_devices(), "cvd": cvd,
+                  "alloc": s.gpu_allocation(), "master": s.master()},
+        "mpi": {"task": [m.task_type, m.task_id], "spec": m.cluster_spec().as_dict(),
+                "local": [m.local_rank, m.local_size], "devices": m.local_devices()},
+        "default": type(d).__name__,
+    }), flush=True)
+""")
+
+
+@pytest.fixture
+def probe(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text(PROBE)
+    return str(path)
+
+
+def _records(stdout):
+    recs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return sorted(recs, key=lambda r: r["rank"])
+
+
+def test_srun_two_tasks(slurm_cluster, probe):  # noqa: F811
+    out = slurm_cluster.srun([sys.executable, probe], 2)
+    assert out.returncode == 0, out.stderr + slurm_cluster.logs()
+    recs = _records(out.stdout)
+    assert [r["rank"] for r in recs] == [0, 1] and all(r["size"] == 2 for r in recs)
+    host = slurm_cluster.hostname
+    spec = {"worker": [f"{host}:8888", f"{host}:8889"]}
+    for r in recs:
+        assert r["procid"] == r["rank"] and r["localid"] == r["rank"]
+        assert r["slurm"]["task"] == ["worker", r["rank"]] == r["mpi"]["task"]
+        assert r["slurm"]["spec"] == spec == r["mpi"]["spec"]
+        assert r["slurm"]["master"] == f"grpc://{host}:{8888 + r['rank']}"
+        assert r["mpi"]["local"] == [r["rank"], 2]
+        assert r["default"] == "SlurmClusterResolver"
+        assert r["slurm"]["devices"] == r["mpi"]["devices"] == ["/cpu:0"]  # CPU node
+        assert r["slurm"]["gpus"] == {"GPU": 0}
+
+
+def test_srun_gpu_binding_uses_real_local_ids(slurm_cluster, probe):  # noqa: F811
+    out = slurm_cluster.srun([sys.executable, probe, "4"], 4)
+    assert out.returncode == 0, out.stderr
+    recs = _records(out.stdout)
+    assert [r["slurm"]["cvd"] for r in recs] == ["0", "1", "2", "3"]
+    assert all(r["slurm"]["devices"] == ["/gpu:0"] and r["slurm"]["gpus"] == {"GPU": 1} for r in recs)
+    out = slurm_cluster.srun([sys.executable, probe, "8"], 2)
+    assert out.returncode == 0, out.stderr
+    recs = _records(out.stdout)
+    assert [r["slurm"]["cvd"] for r in recs] == ["0,1,2,3", "4,5,6,7"]
+    assert recs[0]["slurm"]["alloc"] == ["0,1,2,3", "4,5,6,7"]
+
+
+def test_srun_info(slurm_cluster):  # noqa: F811
+    out = slurm_cluster.srun([sys.executable, "-m", "mpistrat", "info", "--json"], 2)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["job"]["world_size"] == 2
+    assert [r["resolver"] for r in data["ranks"]] == ["SlurmClusterResolver"] * 2
+    assert [r["local_rank"] for r in data["ranks"]] == [0, 1]
+
+
+def test_sbatch_wait(slurm_cluster, probe):  # noqa: F811
+    script = textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --ntasks=2
+        echo "tasks=$SLURM_NTASKS"
+        srun --mpi=pmi2 {sys.executable} {probe}
+        mpiexec -n 2 {sys.executable} {probe}
+        echo done
+    """)
+    job = slurm_cluster.sbatch(script)
+    assert job.returncode == 0, job.output + job.stderr
+    assert job.job_id.isdigit()
+    lines = job.output.splitlines()
+    assert lines[0] == "tasks=2" and lines[-1] == "done"
+    recs = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(recs) == 4
+    by_default = sorted((r["default"], r["rank"]) for r in recs)
+    # srun's tasks are a step of their own (Slurm); mpiexec's ranks are not (MPI).
+    assert by_default == [("MPIClusterResolver", 0), ("MPIClusterResolver", 1),
+                          ("SlurmClusterResolver", 0), ("SlurmClusterResolver", 1)]
+
+
+def test_sbatch_wait_reports_failure(slurm_cluster):  # noqa: F811
+    job = slurm_cluster.sbatch("#!/bin/bash\necho about to fail\nexit 3\n")
+    assert job.returncode != 0
+    assert "about to fail" in job.output
+
+
+def test_expand_hostlist_agrees_with_scontrol(slurm_cluster):  # noqa: F811
+    for text in ["n[1-2],m5,o[3-4,6,7-9]", "n[0001-0003],m5,o[009-011]", "n[8-11]", "r[1-2]n[01-02]",
+                 "n[001-3]", "n[1-010]", "n[3,1-2]", "b,a,b", "login,gpu[1-2]"]:
+        out = slurm_cluster.run(["scontrol", "show", "hostnames", text], timeout=30)
+        assert out.returncode == 0 and out.stdout.split(), out.stderr
+        assert expand_hostlist(text) == out.stdout.split(), text
+
+
+def test_cluster_start_is_idempotent(slurm_cluster):  # noqa: F811
+    conf = slurm_cluster.conf.read_text()
+    assert slurm_cluster.start() is slurm_cluster
+    assert slurm_cluster.conf.read_text() == conf
+    assert slurm_cluster.node_state().rstrip("*") in ("idle", "mix", "alloc")
