@@ -1,0 +1,270 @@
+"""The shared-window all-reduce backend against plain MPI.Allreduce.
+
+Run at 2 and 4 ranks; the pretend-node cases cut the ranks into 2 (and, at 4
+ranks, 3 uneven) nodes so the hierarchical path runs on one machine.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpistrat.comm.shm_allreduce import ShmAllreduceBackend, parse_bytes
+from mpistrat.comm.topology import node_layout
+
+SIZES = [0, 1, 2, 3, 5, 17, 1000, 4099, 65539, 300001]
+DTYPES = ["float32", "float64", "int32", "int64"]
+OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
+
+
+def _data(count, dtype, rank, seed=0):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(count).astype(dtype)
+    return rng.integers(-1000, 1000, count).astype(dtype)
+
+
+def _run(backend, x, op):
+    buf = backend.pack_buffer(x.size, x.dtype)
+    assert buf.shape == x.shape and buf.dtype == x.dtype
+    buf[:] = x
+    pieces = backend.allreduce_packed(x.size, x.dtype, op)
+    start = 0
+    for s, piece in pieces:
+        assert s == start and piece.size > 0, "pieces must cover [0, count) in order"
+        start += piece.size
+    assert start == x.size
+    return np.concatenate([p for _, p in pieces]) if pieces else np.empty(0, x.dtype)
+
+
+def _expected_order(comm, x, op, pretend):
+    """The backend's documented order: local ranks left to right, then across nodes."""
+    lay = node_layout(comm, pretend)
+    try:
+        parts = lay.node_comm.allgather(x)
+        ufunc = {"sum": np.add, "min": np.minimum, "max": np.maximum}[op]
+        acc = parts[0].copy()
+        for p in parts[1:]:
+            acc = ufunc(acc, p)
+        node_sums = comm.allgather(acc if lay.local_rank == 0 else None)
+        sums = [s for s in node_sums if s is not None]
+        return sums
+    finally:
+        lay.free()
+
+
+@pytest.fixture(params=[None, 2], ids=["one-node", "pretend-2-nodes"])
+def backend(request):
+    b = ShmAllreduceBackend(MPI.COMM_WORLD, pretend_nodes=request.param, min_bytes=0)
+    b.pretend = request.param
+    yield b
+    b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+def test_matches_mpi_allreduce(backend, dtype, op):
+    comm = MPI.COMM_WORLD
+    for i, count in enumerate(SIZES):
+        x = _data(count, dtype, comm.rank, seed=i)
+        ref = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, ref, op=OPS[op])
+        got = _run(backend, x, op)
+        assert got.dtype == np.dtype(dtype) and got.shape == (count,)
+        exact = np.dtype(dtype).kind == "i" or op != "sum" or comm.size == 2
+        if exact:
+            assert np.array_equal(got, ref), f"count={count}: differs from MPI.Allreduce"
+        else:
+            np.testing.assert_allclose(got, ref, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-5)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_float_sum_follows_documented_order(backend):
+    comm = MPI.COMM_WORLD
+    x = _data(100003, "float32", comm.rank, seed=7) * np.float32(1e3)
+    got = _run(backend, x, "sum")
+    node_sums = _expected_order(comm, x, "sum", backend.pretend)
+    if len(node_sums) <= 2:  # a + b == b + a exactly, whatever order MPI takes across nodes
+        expect = node_sums[0] if len(node_sums) == 1 else node_sums[0] + node_sums[1]
+        assert np.array_equal(got, expect)
+    else:
+        np.testing.assert_allclose(got, sum(node_sums), rtol=1e-5)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_uneven_pretend_nodes():
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, pretend_nodes=3, min_bytes=0)
+    try:
+        sizes = comm.allgather(b.layout.local_size)
+        assert len(set(sizes)) > 1 and b.owners == min(sizes)
+        for count in (1, 7, 5000):
+            x = _data(count, "int64", comm.rank, seed=count)
+            ref = x.copy()
+            comm.Allreduce(MPI.IN_PLACE, ref)
+            assert np.array_equal(_run(b, x, "sum"), ref)
+    finally:
+        b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_alternating_buckets_survive_a_slow_reader(backend):
+    comm = MPI.COMM_WORLD
+    seen_buckets = set()
+    for step in range(12):
+        count = 3001 + step
+        x = np.full(count, step * 10 + comm.rank, np.int64)
+        seen_buckets.add(backend._bucket)
+        buf = backend.pack_buffer(count, np.int64)
+        buf[:] = x
+        pieces = backend.allreduce_packed(count, np.int64, "sum")
+        if comm.rank == step % comm.size:
+            time.sleep(0.05)  # the others race ahead and pack the next bucket
+        got = np.concatenate([p for _, p in pieces])
+        expect = step * 10 * comm.size + sum(range(comm.size))
+        assert (got == expect).all(), f"step {step}: a peer overwrote a bucket still being read"
+    assert seen_buckets == {0, 1}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_window_grows_then_refuses_above_max():
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, min_bytes=0, max_bytes=4 << 20)
+    try:
+        for count in (10, (3 << 20) // 4 + 1, 10):
+            x = _data(count, "int32", comm.rank, seed=count)
+            ref = x.copy()
+            comm.Allreduce(MPI.IN_PLACE, ref)
+            assert np.array_equal(_run(b, x, "sum"), ref)
+        assert b._capacity >= 3 << 20
+        assert b.enabled(4 << 20, np.float32, "sum")
+        assert not b.enabled((4 << 20) + 4, np.float32, "sum")
+        with pytest.raises(ValueError, match="max_bytes"):
+            b.pack_buffer((4 << 20) // 4 + 1, np.float32)
+    finally:
+        b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_enabled_by_size_dtype_op():
+    b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=1 << 16, max_bytes=1 << 20)
+    try:
+        assert not b.enabled(1 << 15, np.float32, "sum")
+        assert b.enabled(1 << 16, np.float32, "sum")
+        assert b.enabled(1 << 20, np.int64, "max")
+        assert not b.enabled(1 << 17, np.float16, "sum")
+        assert not b.enabled(1 << 17, np.bool_, "max")
+        assert b.enabled(1 << 17, np.complex64, "sum") and not b.enabled(1 << 17, np.complex64, "min")
+        assert not b.enabled(1 << 17, np.float32, "prod")
+    finally:
+        b.close()
+    assert not b.enabled(1 << 17, np.float32, "sum"), "a closed backend is never enabled"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_use_raises_on_every_rank(backend):
+    with pytest.raises(RuntimeError, match="must follow pack_buffer"):
+        backend.allreduce_packed(10, np.float32, "sum")
+    backend.pack_buffer(10, np.float32)
+    with pytest.raises(RuntimeError, match="same count and dtype"):
+        backend.allreduce_packed(11, np.float32, "sum")
+    with pytest.raises(ValueError, match="op must be one of"):
+        backend.allreduce_packed(10, np.float32, "prod")
+    with pytest.raises(TypeError, match="float16"):
+        backend.pack_buffer(10, np.float16)
+    with pytest.raises(ValueError, match="outside"):
+        backend.pack_buffer(-1, np.float32)
+    # still usable afterwards
+    x = np.arange(10, dtype=np.float32)
+    assert np.array_equal(_run(backend, x, "max"), x)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_close_frees_window_and_views():
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, min_bytes=0)
+    _run(b, np.ones(1000, np.float32), "sum")
+    win = b._window.win
+    root = weakref.ref(b._window.segment(0))
+    b.close()
+    assert win == MPI.WIN_NULL, "the window must be freed"
+    assert root() is None, "no view may outlive Win.Free"
+    with pytest.raises(RuntimeError, match="closed"):
+        b.pack_buffer(4, np.float32)
+    b.close()  # idempotent
+
+
+@pytest.mark.mpi(min_size=2)
+def test_close_with_a_held_piece_keeps_memory():
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, min_bytes=0)
+    pieces = b.allreduce_packed(6, np.int32, "sum") if b.pack_buffer(6, np.int32).fill(2) is None else None
+    win = b._window.win
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b.close()
+    assert any(issubclass(c.category, ResourceWarning) for c in caught)
+    assert win != MPI.WIN_NULL
+    assert np.concatenate([p for _, p in pieces]).tolist() == [2 * comm.size] * 6
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calibrated_threshold_agrees_on_all_ranks():
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm)
+    try:
+        assert len(set(comm.allgather(b.min_bytes))) == 1
+        assert b.min_bytes in (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, b.max_bytes + 1)
+        if b.owners < 2:  # one rank per (pretend) node: nothing to share, never auto-enabled
+            assert b.calibration == [] and b.min_bytes == b.max_bytes + 1
+        else:
+            assert len(b.calibration) == 5 and all(raw > 0 and shm > 0 for _, raw, shm in b.calibration)
+        x = _data(5000, "float64", comm.rank)
+        ref = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.MAX)
+        assert np.array_equal(_run(b, x, "max"), ref)
+    finally:
+        b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_env_knobs(monkeypatch):
+    monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "64K")
+    monkeypatch.setenv("MPISTRAT_SHM_MAX_BYTES", "2MiB")
+    monkeypatch.setenv("MPISTRAT_SHM_SYNC", "counter")
+    monkeypatch.setenv("MPISTRAT_SHM_BLOCK_BYTES", "4K")
+    b = ShmAllreduceBackend(MPI.COMM_WORLD)
+    try:
+        assert (b.min_bytes, b.max_bytes, b.sync_kind, b.block_bytes) == (65536, 2 << 20, "counter", 4096)
+        comm = MPI.COMM_WORLD
+        x = _data(70001, "float32", comm.rank)  # many small blocks
+        ref = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.MIN)
+        assert np.array_equal(_run(b, x, "min"), ref)
+    finally:
+        b.close()
+
+
+def test_single_rank_is_identity():
+    b = ShmAllreduceBackend(MPI.COMM_SELF)
+    try:
+        assert not b.enabled(1 << 20, np.float32, "sum"), "nothing to share with one rank per node"
+        x = np.arange(11, dtype=np.float64)
+        assert np.array_equal(_run(b, x, "sum"), x)
+    finally:
+        b.close()
+
+
+def test_parse_bytes_and_bad_options():
+    assert parse_bytes("4096", "x") == 4096 and parse_bytes("256K", "x") == 256 << 10
+    assert parse_bytes("64MiB", "x") == 64 << 20 and parse_bytes("1g", "x") == 1 << 30
+    with pytest.raises(ValueError, match="MPISTRAT_SHM_MAX_BYTES"):
+        parse_bytes("lots", "MPISTRAT_SHM_MAX_BYTES")
+    with pytest.raises(ValueError, match="sync must be"):
+        ShmAllreduceBackend(MPI.COMM_SELF, sync="spin", min_bytes=0)
