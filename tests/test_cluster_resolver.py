@@ -224,3 +224,39 @@ def test_default_choice_agrees_across_ranks(no_slurm, comm, monkeypatch):
         monkeypatch.setenv("SLURM_STEP_NODELIST", "n[1")
     with pytest.raises(RuntimeError, match=f"rank {size - 1}: ValueError: Invalid hostlist"):
         default_cluster_resolver(comm)
+
+
+# ----------------------------------------------------------------------------- real GPUs (skipped without)
+
+@pytest.mark.gpu
+def test_mpi_resolver_binds_real_gpus(no_slurm):
+    import cupy
+
+    n = num_gpus()
+    r = MPIClusterResolver(MPI.COMM_SELF)
+    assert r.local_devices() == [f"/gpu:{i}" for i in range(n)]
+    for device in r.local_devices():
+        with cupy.cuda.Device(int(device.split(":")[1])):
+            assert int(cupy.arange(3).sum()) == 3
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_slurm_resolver_hides_other_gpus_from_cuda(tmp_path):
+    import subprocess
+    import sys
+
+    n = num_gpus()
+    script = ("import os\n"
+              "from mpistrat.cluster_resolver import SlurmClusterResolver\n"
+              "r = SlurmClusterResolver()\n"
+              "import cupy\n"
+              "print(os.environ['CUDA_VISIBLE_DEVICES'], cupy.cuda.runtime.getDeviceCount(), r.local_devices())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "CUDA_VISIBLE_DEVICES"}
+    env.update(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="n1",
+               SLURM_STEP_TASKS_PER_NODE="2", SLURM_LOCALID="1")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    g = n // 2
+    expected_cvd = ",".join(str(i) for i in range(g, 2 * g))
+    assert out.stdout.split()[0] == expected_cvd
+    assert out.stdout.split()[1] == str(g)  # CUDA sees only this task's GPUs

@@ -156,12 +156,13 @@ def test_nodes_keep_slurm_order(slurm_env):
 
 
 def test_local_id_wins_for_gpus(slurm_env):
-    # --distribution=cyclic: rank 1 is the first task of the second node.
-    slurm_env(PROCID="1", STEP_NUM_TASKS="4", STEP_NODELIST="n[1-2]", STEP_TASKS_PER_NODE="2(x2)",
-              LOCALID="0", CUDA_VISIBLE_DEVICES="0,1")
+    # --distribution=cyclic: rank 2 is the second task of the first node (block order would say
+    # the first task of the second node, GPU 0).
+    slurm_env(PROCID="2", STEP_NUM_TASKS="4", STEP_NODELIST="n[1-2]", STEP_TASKS_PER_NODE="2(x2)",
+              LOCALID="1", CUDA_VISIBLE_DEVICES="0,1")
     r = SlurmClusterResolver()
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
-    assert r.local_rank == 0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert r.local_rank == 1
 
 
 def test_gpus_taken_from_slurm_visible_list(slurm_env):
