@@ -39,6 +39,20 @@ def _divide(array: Any, n: int) -> Any:
     return (array / n).astype(array.dtype)
 
 
+def _shared_copy(value: Any, device: str) -> Any:
+    """``value`` on ``device`` for one of several replicas.
+
+    Logical CPU devices share host memory, so each gets a read-only view of
+    one buffer (no copy; an in-place write raises instead of leaking into the
+    other replicas). Other devices get their own copy.
+    """
+    if not dev.is_gpu(device) and isinstance(value, np.ndarray):
+        view = value.view()
+        view.flags.writeable = False
+        return view
+    return dev.to_device(value, device, copy=True)
+
+
 def destination_devices(destinations: Any) -> list[str]:
     """Canonical device strings named by ``destinations``.
 
@@ -81,7 +95,7 @@ class CrossDeviceOps:
         raise NotImplementedError
 
     def _local_broadcast(self, value: Any, devices: Sequence[str]) -> list:
-        return [value] + [dev.to_device(value, d, copy=True) for d in devices[1:]]
+        return [_shared_copy(value, d) for d in devices]
 
     # -- the shared hierarchical path ----------------------------------------------
     def batch_all_reduce(
@@ -146,7 +160,7 @@ class CrossDeviceOps:
     def _place(self, value: Any, devices: list[str]) -> Any:
         if len(devices) == 1:
             return dev.to_device(value, devices[0])
-        return Mirrored([dev.to_device(value, d, copy=True) for d in devices])
+        return Mirrored([_shared_copy(value, d) for d in devices])
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copy ``tensor`` to every destination device (a Mirrored when several)."""
