@@ -3,7 +3,9 @@
 Per rank: host, node index and local rank (shared-memory split), the cluster
 resolver mpistrat picks, whether CuPy imports and how many GPUs it sees, and
 the devices mpistrat would use. Once for the job: MPI library and version,
-MPI standard, thread level, whether the MPI is CUDA-aware. Rank 0 prints;
+MPI standard, thread level, whether the MPI is CUDA-aware
+(``mpistrat.comm.cuda.mpi_cuda_support``: ``MPIX_Query_cuda_support`` of the
+loaded libmpi, or ``MPISTRAT_CUDA_AWARE``). Rank 0 prints;
 ``--json`` prints the same facts as JSON. Works as one process and under
 ``mpiexec``/``srun``.
 """
@@ -11,7 +13,6 @@ MPI standard, thread level, whether the MPI is CUDA-aware. Rank 0 prints;
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import platform
 import sys
@@ -20,37 +21,16 @@ from typing import Any
 __all__ = ["collect", "format_table", "mpi_cuda_support", "add_arguments", "run"]
 
 
-def _query_cuda_support_ctypes() -> bool | None:
-    """``MPIX_Query_cuda_support()`` of the loaded libmpi via ctypes; None if absent."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            func = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
-        except (OSError, AttributeError):
-            continue
-        func.restype = ctypes.c_int
-        return bool(func())
-    return None
+def mpi_cuda_support() -> bool | str | None:
+    """Whether the MPI library is CUDA-aware: True, False, None (unknown), or
+    the error text when the question cannot be answered (e.g. a bad
+    ``MPISTRAT_CUDA_AWARE``). Answered by ``mpistrat.comm.cuda``."""
+    from mpistrat.comm.cuda import mpi_cuda_support as query  # noqa: PLC0415
 
-
-def mpi_cuda_support() -> bool | None:
-    """Whether the MPI library is CUDA-aware: True, False, or None (unknown).
-
-    Uses ``mpistrat.comm.cuda.mpi_cuda_support`` when that module exists, else
-    asks the loaded libmpi directly.
-    """
-    try:
-        from mpistrat.comm.cuda import mpi_cuda_support as query  # noqa: PLC0415
-    except ImportError:
-        query = _query_cuda_support_ctypes
     try:
         return query()
-    except Exception:
-        return None
+    except Exception as exc:
+        return f"error: {type(exc).__name__}: {exc}"
 
 
 def _cupy_facts() -> tuple[str, int]:
@@ -131,7 +111,9 @@ def _dist_version() -> str:
         return "unknown"
 
 
-def _yes_no(value: bool | None) -> str:
+def _yes_no(value: bool | str | None) -> str:
+    if isinstance(value, str):
+        return value
     return {True: "yes", False: "no", None: "unknown"}[value]
 
 

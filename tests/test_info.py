@@ -109,6 +109,14 @@ def test_cuda_support_of_pypi_mpich():
     assert mpi_cuda_support() is False
 
 
+def test_cuda_aware_forced_and_bad_value(monkeypatch):
+    out = _run([sys.executable, "-m", "mpistrat", "info", "--json"], MPISTRAT_CUDA_AWARE="1")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ranks"][0]["cuda_aware"] is True
+    monkeypatch.setenv("MPISTRAT_CUDA_AWARE", "maybe")
+    assert mpi_cuda_support().startswith("error: ValueError: MPISTRAT_CUDA_AWARE must be 1 or 0")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_collect_gathers_every_rank(comm):
     result = collect(comm)
