@@ -1,0 +1,179 @@
+"""MultiWorkerMirroredStrategy across MPI ranks (run at 1, 2 and 4 ranks)."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpistrat as ms
+
+AGG = ms.VariableAggregation
+SYNC = ms.VariableSynchronization
+
+
+def world():
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture(params=[1, 2], ids=["1local", "2local"])
+def strategy(request):
+    devices = [f"/cpu:{i}" for i in range(request.param)]
+    return ms.MultiWorkerMirroredStrategy(local_devices=devices)
+
+
+def replica_value(global_id):
+    """A value that depends only on the global replica id (same program on any layout)."""
+    rng = np.random.default_rng(global_id)
+    return rng.standard_normal((global_id % 3 + 1, 4))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_layout_and_ids(strategy):
+    size, rank = world().size, world().rank
+    local = len(strategy.extended.worker_devices)
+    assert strategy.num_replicas_in_sync == size * local
+    assert strategy.extended.worker_devices == tuple(
+        f"/job:worker/replica:0/task:{rank}/device:CPU:{i}" for i in range(local))
+    ids = strategy.experimental_local_results(strategy.run(lambda: ms.get_replica_context().replica_id_in_sync_group))
+    assert ids == tuple(rank * local + i for i in range(local))
+    assert strategy.extended.should_checkpoint == (rank == 0)
+    assert strategy.cluster_resolver.task_id == rank and strategy.cluster_resolver.task_type == "worker"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_reduce_and_all_gather_across_ranks(strategy):
+    n = strategy.num_replicas_in_sync
+
+    def fn():
+        ctx = ms.get_replica_context()
+        g = ctx.replica_id_in_sync_group
+        value = {"v": np.full(5, g, np.float32), "i": np.int64(g), "s": [float(g)]}
+        return (ctx.all_reduce("sum", value), ctx.all_reduce("mean", value), ctx.all_reduce("max", value),
+                ctx.all_gather(np.full((g % 2 + 1, 2), g), axis=0))
+
+    total = n * (n - 1) / 2
+    expect_gather = np.concatenate([np.full((g % 2 + 1, 2), g) for g in range(n)])
+    out = strategy.run(fn)
+    for s_, m_, mx, gath in zip(*(strategy.experimental_local_results(x) for x in out)):
+        assert s_["v"].tolist() == [total] * 5 and int(s_["i"]) == total and float(s_["s"][0]) == total
+        assert np.allclose(m_["v"], total / n)
+        assert float(mx["s"][0]) == n - 1
+        assert np.array_equal(gath, expect_gather)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_reduce_and_gather_in_cross_replica_context(strategy):
+    n = strategy.num_replicas_in_sync
+    pr = strategy.experimental_distribute_values_from_function(lambda ctx: replica_value(ctx.replica_id_in_sync_group))
+    everything = np.concatenate([replica_value(g) for g in range(n)])
+    assert np.allclose(strategy.reduce("mean", pr, axis=0), everything.mean(axis=0))
+    assert np.allclose(strategy.reduce("sum", pr, axis=0), everything.sum(axis=0))
+    assert np.allclose(strategy.reduce("min", pr, axis=0), everything.min(axis=0))
+    assert np.array_equal(strategy.gather(pr, axis=0), everything)
+    vec = strategy.experimental_distribute_values_from_function(lambda ctx: np.full(3, ctx.replica_id_in_sync_group + 1.0))
+    assert np.allclose(strategy.reduce("sum", vec, axis=None), n * (n + 1) / 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_plain_value_is_this_workers_value():
+    s = ms.MultiWorkerMirroredStrategy()
+    rank, size = world().rank, world().size
+    assert float(s.reduce("sum", np.float64(rank + 1), axis=None)) == size * (size + 1) / 2
+    assert float(s.run(lambda: ms.get_replica_context().all_reduce("sum", 1.0))) == size
+
+
+@pytest.mark.mpi(min_size=1)
+def test_merge_call_across_ranks(strategy):
+    n = strategy.num_replicas_in_sync
+
+    def merge_fn(strat, value):
+        return strat.reduce("sum", value, axis=None)
+
+    out = strategy.run(lambda: ms.get_replica_context().merge_call(
+        merge_fn, args=(float(ms.get_replica_context().replica_id_in_sync_group),)))
+    assert all(float(x) == n * (n - 1) / 2 for x in strategy.experimental_local_results(out))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_variables_start_from_the_chief_and_stay_in_sync(strategy):
+    rank = world().rank
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        v = ms.Variable(np.full(3, float(rank)), aggregation=AGG.SUM)  # differs per rank on purpose
+        mean = ms.Variable(0.0, aggregation=AGG.MEAN)
+        first = ms.Variable(0.0, aggregation=AGG.ONLY_FIRST_REPLICA)
+        counter = ms.Variable(0.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM)
+    assert all(c.numpy().tolist() == [0.0] * 3 for c in v.values)  # the chief's value
+
+    def step():
+        g = float(ms.get_replica_context().replica_id_in_sync_group)
+        v.assign_add(np.full(3, g))
+        mean.assign(g)
+        first.assign(g + 10.0)
+        counter.assign_add(1.0)
+
+    strategy.run(step)
+    total = n * (n - 1) / 2
+    assert all(c.numpy().tolist() == [total] * 3 for c in v.values)
+    assert all(float(c.numpy()) == total / n for c in mean.values)
+    assert all(float(c.numpy()) == 10.0 for c in first.values)
+    with strategy.scope():
+        assert float(counter.value()) == n  # summed over every replica of every rank
+        counter.assign(float(n) * 2)
+        assert float(counter.value()) == 2.0 * n
+
+
+@pytest.mark.mpi(min_size=2)
+def test_same_numbers_as_mirrored_with_all_replicas_in_one_process():
+    """N ranks x R local replicas == one process with N*R replicas, same program."""
+    size = world().size
+    local = 2
+    multi = ms.MultiWorkerMirroredStrategy(local_devices=["/cpu:0", "/cpu:1"])
+    single = ms.MirroredStrategy([f"/cpu:{i}" for i in range(size * local)])
+
+    def program(strategy):
+        with strategy.scope():
+            w = ms.Variable(np.linspace(0, 1, 4), aggregation=AGG.MEAN)
+        data = strategy.experimental_distribute_values_from_function(lambda ctx: replica_value(ctx.replica_id_in_sync_group))
+
+        def step(x):
+            grad = ms.get_replica_context().all_reduce("mean", (x @ w.value()).sum() * np.ones(4))
+            w.assign_sub(0.01 * grad)
+            return (x @ w.value()).sum()
+
+        for _ in range(3):
+            out = strategy.run(step, args=(data,))
+        return strategy.reduce("sum", out, axis=None), w.numpy()
+
+    loss_m, w_m = program(multi)
+    loss_s, w_s = program(single)
+    assert np.allclose(loss_m, loss_s, rtol=1e-12) and np.allclose(w_m, w_s, rtol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_local_device_counts_raise_on_every_rank():
+    devices = ["/cpu:0"] if world().rank == 0 else ["/cpu:0", "/cpu:1"]
+    with pytest.raises(ValueError, match="same number of local devices.*rank 0: 1.*rank 1: 2"):
+        ms.MultiWorkerMirroredStrategy(local_devices=devices)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_shapes_raise_on_every_rank():
+    s = ms.MultiWorkerMirroredStrategy()
+    shape = 4 if world().rank == 0 else 5
+    with pytest.raises(Exception, match=r"(?i)mismatch"):
+        s.run(lambda: ms.get_replica_context().all_reduce("sum", np.ones(shape)))
+    # The strategy is still usable afterwards (nothing left half-done).
+    assert float(s.run(lambda: ms.get_replica_context().all_reduce("sum", 1.0))) == world().size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sub_communicator_strategies():
+    comm = world()
+    sub = comm.Split(color=comm.rank % 2, key=comm.rank)
+    try:
+        s = ms.MultiWorkerMirroredStrategy(cluster_resolver=ms.cluster_resolver.MPIClusterResolver(sub))
+        assert s.num_replicas_in_sync == sub.size
+        total = s.run(lambda: ms.get_replica_context().all_reduce("sum", float(comm.rank)))
+        assert float(total) == sum(r for r in range(comm.size) if r % 2 == comm.rank % 2)
+    finally:
+        sub.Free()
