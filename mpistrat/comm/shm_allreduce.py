@@ -11,7 +11,10 @@ segment of one shared window per node (``pack_buffer``), then
    ``((s0 + s1) + s2) + ...`` (so every slice is summed the same way), and
    writes it into slice i of its own segment;
 3. across nodes (hierarchical): node rank i all-reduces its slice with MPI
-   over ``cross_comm`` (the ranks with the same local rank on every node);
+   over ``cross_comm`` (the ranks with the same local rank on every node),
+   non-blocking, polled with the same spin-then-yield policy as the node
+   synchronisation (MPICH's blocking wait busy-polls and starves the ranks it
+   waits for when ranks outnumber cores: 2 ms per call at 4 ranks on 2 cores);
 4. synchronise the node again; the result is read in place from the owners'
    segments: the pieces ``(start, view)`` cover ``[0, count)`` in order.
 
@@ -30,7 +33,7 @@ the caller splits them (``bytes_per_pack``) or uses plain MPI.
 
 Path choice: ``enabled(nbytes, ...)`` is True for ``min_bytes <= nbytes <=
 max_bytes``. ``min_bytes`` is measured at start-up (raw ``Allreduce`` against
-this path at 4 KiB..1 MiB; the smallest size from which this path wins at
+this path at 4 KiB..4 MiB; the smallest size from which this path wins at
 every larger measured size, decided on rank 0 and broadcast), unless given.
 
 Environment knobs (constructor arguments override them):
@@ -40,8 +43,9 @@ Environment knobs (constructor arguments override them):
 * ``MPISTRAT_SHM_MAX_BYTES``: largest bucket, per rank (default 64M). The
   window takes ``2 x`` this per rank at most (two buckets).
 * ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
-* ``MPISTRAT_SHM_SYNC``: ``barrier``, ``counter`` or ``auto`` (default: counter
-  when the node has more ranks than cores, else barrier).
+* ``MPISTRAT_SHM_SYNC``: ``barrier``, ``counter`` or ``auto`` (default, which
+  is ``counter``: measured as fast or faster than ``Barrier`` at every size,
+  at 2 and 4 ranks; only ``counter`` honours ``timeout_seconds``).
 * ``MPISTRAT_PRETEND_NODES``: cut the ranks into K pretend nodes (tests).
 * For the plain MPI path above 32 MiB (outside this backend):
   ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296`` stop glibc from
@@ -60,7 +64,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, make_sync
+from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, make_sync
 from .topology import NodeLayout, node_layout
 
 __all__ = ["ShmAllreduceBackend", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "parse_bytes"]
@@ -77,8 +81,9 @@ _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum on
 _DEFAULT_MAX = 64 << 20
 _DEFAULT_BLOCK = 256 << 10
 _INITIAL = 1 << 20
-_CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+_CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _ALIGN = 64  # slice boundaries on cache lines
+_MARGIN = 0.9  # the window path must be this much faster to be chosen
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -139,10 +144,14 @@ class ShmAllreduceBackend:
         self.block_bytes = int(block)
         sync = sync or os.environ.get("MPISTRAT_SHM_SYNC", "").strip().lower() or "auto"
         if sync == "auto":
-            sync = "counter" if lay.local_size > len(os.sched_getaffinity(0)) else "barrier"
+            sync = "counter"  # measured at least as fast as Barrier at every size, 2 and 4 ranks
         if sync not in ("barrier", "counter"):
             raise ValueError(f"ShmAllreduceBackend: sync must be 'barrier', 'counter' or 'auto', got {sync!r}")
         self.sync_kind = sync
+        # Ranks sharing this machine's cores (pretend nodes share them too).
+        machine = lay.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.spin = default_spin(machine.Get_size())
+        machine.Free()
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
         self._sync: NodeSync | None = None
@@ -206,7 +215,8 @@ class ShmAllreduceBackend:
                 if len(views) > 1:
                     self._reduce(views, lr, lo, hi, _UFUNCS[op])
                 if self.layout.num_nodes > 1:
-                    self.layout.cross_comm.Allreduce(MPI.IN_PLACE, views[lr][lo:hi], op=_MPI_OPS[op])
+                    req = self.layout.cross_comm.Iallreduce(MPI.IN_PLACE, views[lr][lo:hi], op=_MPI_OPS[op])
+                    self._wait(req)
         self._sync.wait()
         self._bucket ^= 1
         return [(bounds[i], views[i][bounds[i] : bounds[i + 1]]) for i in range(self.owners) if bounds[i + 1] > bounds[i]]
@@ -263,10 +273,27 @@ class ShmAllreduceBackend:
             self._window = None
         self._window = SharedWindow(self.layout.node_comm, 2 * cap)
         names = self.layout.node_comm.allgather(self.layout.comm.Get_rank())
-        kw = {"timeout": self.timeout_seconds, "rank_names": names} if self.sync_kind == "counter" else {}
+        kw = {"timeout": self.timeout_seconds, "rank_names": names, "spin": self.spin}
+        kw = kw if self.sync_kind == "counter" else {}
         self._sync = make_sync(self._window, self.sync_kind, **kw)
         self._capacity = cap
         self._bucket = 0
+
+    def _wait(self, req: MPI.Request) -> None:
+        """Complete the cross-node request, spinning then yielding (MPI's own wait never yields)."""
+        polls = 0
+        deadline = None
+        while not req.Test():
+            polls += 1
+            if polls > self.spin:
+                os.sched_yield()
+                if self.timeout_seconds is not None and (polls & 1023) == 0:
+                    now = time.monotonic()
+                    deadline = deadline or now + self.timeout_seconds
+                    if now > deadline:
+                        raise TimeoutError(
+                            f"cross-node all-reduce of the node slice waited more than {self.timeout_seconds} s"
+                        )
 
     def _typed(self, bucket: int, dtype: np.dtype) -> list[np.ndarray]:
         key = (bucket, dtype)
@@ -306,41 +333,40 @@ class ShmAllreduceBackend:
                 own[s:e] = dst
 
     def _calibrate(self) -> int:
-        """Smallest measured size from which this path beats raw ``Allreduce`` (collective)."""
+        """Smallest measured size from which this path beats raw ``Allreduce`` (collective).
+
+        Raw and window calls alternate, each timed after a barrier; a path's
+        time is the median over repetitions of the slowest rank, and the
+        window path must win by ``_MARGIN`` at that size and every larger one.
+        """
         assert self.layout is not None
         comm = self.layout.comm.Dup()
         try:
             results = []
             for nbytes in _CALIBRATION_SIZES:
                 count = nbytes // 4
-                reps = 12 if nbytes <= (64 << 10) else 6
+                reps = 15 if nbytes <= (64 << 10) else 7 if nbytes <= (1 << 20) else 4
                 private = np.ones(count, np.float32)
-                times = []
-                for path in ("raw", "shm"):
-                    if path == "shm":
-                        self.pack_buffer(count, np.float32)[:] = 1
-                        self.allreduce_packed(count, np.float32, "sum")
-                    else:
-                        comm.Allreduce(MPI.IN_PLACE, private, op=MPI.SUM)
+                times = np.zeros((2, reps + 1))
+                for rep in range(reps + 1):  # rep 0 warms up
                     comm.Barrier()
                     t0 = time.perf_counter()
-                    for _ in range(reps):
-                        if path == "shm":
-                            self.pack_buffer(count, np.float32)
-                            self.allreduce_packed(count, np.float32, "sum")
-                        else:
-                            comm.Allreduce(MPI.IN_PLACE, private, op=MPI.SUM)
-                    times.append(comm.allreduce((time.perf_counter() - t0) / reps, op=MPI.MAX))
-                results.append((nbytes, times[0], times[1]))
+                    comm.Allreduce(MPI.IN_PLACE, private, op=MPI.SUM)
+                    times[0, rep] = time.perf_counter() - t0
+                    self.pack_buffer(count, np.float32)
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    self.allreduce_packed(count, np.float32, "sum")
+                    times[1, rep] = time.perf_counter() - t0
+                comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+                raw, shm = np.median(times[:, 1:], axis=1)
+                results.append((nbytes, float(raw), float(shm)))
             self.calibration = results
             threshold = self.max_bytes + 1
             for nbytes, raw, shm in reversed(results):
-                if shm >= raw:
+                if shm >= raw * _MARGIN:
                     break
                 threshold = nbytes
-            if threshold > _CALIBRATION_SIZES[-1]:
-                # Not even winning at 1 MiB: take it only where the benchmark says it wins big.
-                threshold = self.max_bytes + 1
             return int(comm.bcast(threshold, root=0))
         finally:
             comm.Free()

@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["PAGE_SIZE", "SharedWindow", "NodeSync", "BarrierSync", "CounterSync", "make_sync", "free_all"]
+__all__ = ["PAGE_SIZE", "default_spin", "SharedWindow", "NodeSync", "BarrierSync", "CounterSync", "make_sync", "free_all"]
 
 PAGE_SIZE = mmap.PAGESIZE
 _CACHE_LINE = 64
@@ -55,6 +55,15 @@ _CACHE_LINE = 64
 _OPEN: list["SharedWindow"] = []
 # Windows whose views were still alive at free(): kept mapped until exit.
 _KEPT: list["SharedWindow"] = []
+
+
+def default_spin(ranks_on_machine: int) -> int:
+    """Polls before yielding: 0 when ranks outnumber this process's cores, else 2000."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return 0 if ranks_on_machine > cores else 2000
 
 
 def _round_up(n: int, m: int) -> int:
@@ -182,7 +191,7 @@ class CounterSync(NodeSync):
     """Epoch counters in a small shared window: spin, then yield, with a timeout.
 
     ``spin`` is the number of polls before yielding the CPU on every poll
-    (default: 0 when the node has more ranks than usable cores, else 2000).
+    (default: ``default_spin`` of the communicator's size).
     ``timeout`` (seconds, None for none) raises ``TimeoutError`` naming the
     node ranks (and their ``rank_names``) that did not arrive.
     """
@@ -205,13 +214,7 @@ class CounterSync(NodeSync):
         self._me = comm.Get_rank()
         self._others = [r for r in range(n) if r != self._me]
         self._epoch = 0
-        if spin is None:
-            try:
-                cores = len(os.sched_getaffinity(0))
-            except AttributeError:  # pragma: no cover - not Linux
-                cores = os.cpu_count() or 1
-            spin = 0 if n > cores else 2000
-        self.spin = int(spin)
+        self.spin = default_spin(n) if spin is None else int(spin)
         self.timeout = timeout
         self._names = list(rank_names) if rank_names is not None else list(range(n))
 

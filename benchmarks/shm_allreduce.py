@@ -1,0 +1,119 @@
+"""Shared-window all-reduce vs raw mpi4py ``Allreduce(IN_PLACE)``, same processes, same run.
+
+Usage (keep the venv's ``mpiexec`` first on PATH)::
+
+    mpiexec -n 2 python benchmarks/shm_allreduce.py
+    mpiexec -n 4 python benchmarks/shm_allreduce.py --sync counter
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296 mpiexec -n 2 python benchmarks/shm_allreduce.py
+    MPISTRAT_PRETEND_NODES=2 mpiexec -n 4 python benchmarks/shm_allreduce.py   # hierarchical path
+
+For float32 buckets of 4 KiB to 64 MiB it times, per iteration, one raw
+``Allreduce(IN_PLACE)`` on a private buffer and one ``allreduce_packed`` of
+the ``ShmAllreduceBackend`` on data already packed into the window (as fusion
+packs it); the data is copied in before each timed call, outside the timing,
+for both. A time is the median over iterations of the slowest rank. busbw
+follows nccl-tests: ``algbw * 2 (n-1) / n`` with ``algbw = bytes / time``.
+"auto" is the path the backend's size thresholds pick (``enabled``), and its
+ratio is what a caller gets. "exact" checks the window result against the raw
+result bit for bit on integer-valued float32 data (order-independent sums).
+
+Knobs (see ``mpistrat/comm/shm_allreduce.py``): ``MPISTRAT_SHM_MIN_BYTES``
+(default: measured at start-up), ``MPISTRAT_SHM_MAX_BYTES`` (64M),
+``MPISTRAT_SHM_BLOCK_BYTES`` (256K), ``MPISTRAT_SHM_SYNC``
+(barrier|counter|auto), ``MPISTRAT_PRETEND_NODES``. For the plain MPI path
+above 32 MiB set ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296``:
+without it glibc maps, faults and unmaps MPICH's message-sized scratch buffer
+on every call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.comm.shm_allreduce import ShmAllreduceBackend, parse_bytes
+
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def _iters(nbytes: int, scale: float) -> int:
+    base = 200 if nbytes <= (64 << 10) else 60 if nbytes <= (1 << 20) else 20 if nbytes <= (16 << 20) else 8
+    return max(3, int(base * scale))
+
+
+def _median_of_slowest(comm: MPI.Comm, times: list[float]) -> float:
+    t = np.array(times)
+    comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+    return float(np.median(t))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=None, help="comma-separated byte counts (K/M suffixes), default 4K..64M")
+    p.add_argument("--iters-scale", type=float, default=1.0, help="scale the iteration counts")
+    p.add_argument("--sync", default=None, help="barrier | counter | auto (default: MPISTRAT_SHM_SYNC or auto)")
+    p.add_argument("--pretend-nodes", type=int, default=None)
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    n = comm.size
+    sizes = [parse_bytes(s, "--sizes") for s in args.sizes.split(",")] if args.sizes else SIZES
+    t0 = time.perf_counter()
+    backend = ShmAllreduceBackend(comm, pretend_nodes=args.pretend_nodes, sync=args.sync, max_bytes=max(sizes))
+    setup = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    lay = backend.layout
+    if comm.rank == 0:
+        malloc = "set" if os.environ.get("MALLOC_MMAP_MAX_") == "0" else "unset"
+        print(
+            f"# {n} ranks, {lay.num_nodes} node(s){' (pretend)' if lay.pretend else ''} x {lay.local_size} local, "
+            f"sync={backend.sync_kind}, min_bytes={backend.min_bytes} (start-up {setup * 1e3:.0f} ms), "
+            f"malloc knobs {malloc}, {MPI.Get_library_version().splitlines()[0]}"
+        )
+        print(
+            f"{'bytes':>9} {'raw us':>9} {'raw busbw':>9} {'shm us':>9} {'shm busbw':>9} {'shm/raw':>7} "
+            f"{'auto':>4} {'auto/raw':>8} {'exact':>5}"
+        )
+    for nbytes in sizes:
+        count = nbytes // 4
+        src = ((np.arange(count) + comm.rank) % 7 + 1).astype(np.float32)
+        private = np.empty(count, np.float32)
+        raw_t, shm_t = [], []
+        exact = True
+        for it in range(_iters(nbytes, args.iters_scale) + 1):
+            private[:] = src
+            comm.Barrier()
+            a = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, private, op=MPI.SUM)
+            b = time.perf_counter()
+            buf = backend.pack_buffer(count, np.float32)
+            buf[:] = src
+            comm.Barrier()
+            c = time.perf_counter()
+            pieces = backend.allreduce_packed(count, np.float32, "sum")
+            d = time.perf_counter()
+            if it == 0:
+                exact = all(np.array_equal(piece, private[s : s + piece.size]) for s, piece in pieces)
+                continue  # warm-up
+            raw_t.append(b - a)
+            shm_t.append(d - c)
+        raw = _median_of_slowest(comm, raw_t)
+        shm = _median_of_slowest(comm, shm_t)
+        exact = comm.allreduce(exact, op=MPI.LAND)
+        use = backend.enabled(nbytes, np.float32, "sum")
+        if comm.rank == 0:
+            bus = 2 * (n - 1) / n * nbytes / 1e9
+            auto = shm if use else raw
+            print(
+                f"{nbytes:>9} {raw * 1e6:>9.1f} {bus / raw:>9.2f} {shm * 1e6:>9.1f} {bus / shm:>9.2f} "
+                f"{raw / shm:>7.2f} {'shm' if use else 'mpi':>4} {raw / auto:>8.2f} {'yes' if exact else 'NO':>5}",
+                flush=True,
+            )
+        del pieces, buf
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()
