@@ -11,6 +11,7 @@ only when a GPU device is used.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
@@ -76,6 +77,13 @@ def parse_device(device: "str | DeviceSpec", *, job: str = "localhost", task: in
     """Parse a device string; missing job/replica/task take the given defaults."""
     if isinstance(device, DeviceSpec):
         return device
+    if isinstance(device, str):
+        return _parse_cached(device, job, task)
+    raise TypeError(f"A device must be a string like '/cpu:0', got {type(device).__name__}: {device!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(device: str, job: str, task: int) -> DeviceSpec:
     if not isinstance(device, str):
         raise TypeError(f"A device must be a string like '/cpu:0', got {type(device).__name__}: {device!r}")
     text = device.strip()

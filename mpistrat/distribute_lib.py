@@ -284,13 +284,19 @@ class StrategyExtended:
     def call_for_each_replica(self, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
         """Run ``fn`` once per local replica in its replica context; regroup the results."""
         kwargs = kwargs or {}
-        self._check_distributed_args((args, kwargs))
         strategy = self._container_strategy()
         frames = [[Frame(strategy, ReplicaContext(strategy, self._global_replica_id(i), i))]
                   for i in range(self._num_local)]
-        scopes = [self._device_scope(d) for d in self._local_devices]
-        call_args = [(tuple(select_replica(i, list(args))), select_replica(i, kwargs)) for i in range(self._num_local)]
-        return regroup(self._group.run(fn, frames, scopes, call_args))
+        if (args or kwargs) and contains_distributed((args, kwargs)):
+            self._check_distributed_args((args, kwargs))
+            call_args = [(tuple(select_replica(i, list(args))), select_replica(i, kwargs))
+                         for i in range(self._num_local)]
+        else:
+            call_args = [(tuple(args), kwargs)] * self._num_local
+        return regroup(self._group.run(fn, frames, self._device_scopes(), call_args))
+
+    def _device_scopes(self) -> list:
+        return [self._device_scope(d) for d in self._local_devices]
 
     def _device_scope(self, device: str) -> Any:
         return dev.device_scope(device) if dev.is_gpu(device) else contextlib.nullcontext()

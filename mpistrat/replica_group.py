@@ -1,7 +1,7 @@
 """Running a function on a rank's local replicas, and meeting points between them.
 
-A ``ReplicaGroup`` owns one persistent thread per local replica (when there is
-more than one) and a ``Rendezvous`` where replicas meet for collectives and
+A ``ReplicaGroup`` runs replica 0 in the calling thread and owns one
+persistent thread for each other local replica and a ``Rendezvous`` where replicas meet for collectives and
 ``merge_call``. A replica that raises aborts the group: every replica waiting
 at a meeting point raises too, and ``run`` re-raises the original exception,
 so a failure never leaves threads waiting for ever.
@@ -141,7 +141,8 @@ class _ReplicaThread(threading.Thread):
             if job is None:
                 return
             self.group._run_one(self.local_id, *job)
-            del job  # do not keep the last step's function and arguments alive
+            del job
+            self.group._worker_done()  # do not keep the last step's function and arguments alive
 
 
 class ReplicaGroup:
@@ -151,19 +152,22 @@ class ReplicaGroup:
         self.num_local = num_local
         self.rendezvous = Rendezvous(num_local)
         self._threads: list[_ReplicaThread] = []
-        self._done: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+        self._pending = 0
+        self._lock_done = threading.Lock()
+        self._all_done = threading.Event()
         self._results: list[Any] = [None] * num_local
         self._errors: list[BaseException | None] = [None] * num_local
         self._lock = threading.Lock()
 
     def _ensure_threads(self) -> None:
         if not self._threads:
-            self._threads = [_ReplicaThread(self, i) for i in range(self.num_local)]
+            self._threads = [_ReplicaThread(self, i) for i in range(1, self.num_local)]
             for t in self._threads:
                 t.start()
 
     def _run_one(self, local_id: int, fn: Callable, frames: list, device_scope: Any, call_args: tuple) -> None:
-        context.set_thread_stack(list(frames))
+        saved = context.thread_stack()
+        context.set_thread_stack(saved + list(frames))
         try:
             with device_scope:
                 self._results[local_id] = fn(*call_args[0], **call_args[1])
@@ -172,8 +176,13 @@ class ReplicaGroup:
             self._errors[local_id] = exc
             self.rendezvous.abort(exc)
         finally:
-            context.set_thread_stack([])
-            self._done.put(local_id)
+            context.set_thread_stack(saved)
+
+    def _worker_done(self) -> None:
+        with self._lock_done:
+            self._pending -= 1
+            if self._pending == 0:
+                self._all_done.set()
 
     def run(
         self,
@@ -184,27 +193,24 @@ class ReplicaGroup:
     ) -> list:
         """Call ``fn`` once per replica; return the results in replica order.
 
-        ``frames_per_replica[i]`` is the context stack replica i runs with,
-        ``device_scopes[i]`` a context manager making its device current, and
-        ``args_per_replica[i]`` its ``(args, kwargs)``.
+        Replica 0 runs in the calling thread, the others in their persistent
+        threads. ``frames_per_replica[i]`` is the context stack replica i runs
+        with, ``device_scopes[i]`` a context manager making its device current,
+        and ``args_per_replica[i]`` its ``(args, kwargs)``.
         """
         with self._lock:
             self.rendezvous.start_step()
             self._results = [None] * self.num_local
             self._errors = [None] * self.num_local
-            if self.num_local == 1:
-                saved = context.thread_stack()
-                context.set_thread_stack(saved + list(frames_per_replica[0]))
-                try:
-                    with device_scopes[0]:
-                        return [fn(*args_per_replica[0][0], **args_per_replica[0][1])]
-                finally:
-                    context.set_thread_stack(saved)
-            self._ensure_threads()
-            for i, t in enumerate(self._threads):
-                t.jobs.put((fn, frames_per_replica[i], device_scopes[i], args_per_replica[i]))
-            for _ in range(self.num_local):
-                self._done.get()
+            if self.num_local > 1:
+                self._ensure_threads()
+                self._pending = self.num_local - 1
+                self._all_done.clear()
+                for i in range(1, self.num_local):
+                    self._threads[i - 1].jobs.put((fn, frames_per_replica[i], device_scopes[i], args_per_replica[i]))
+            self._run_one(0, fn, frames_per_replica[0], device_scopes[0], args_per_replica[0])
+            if self.num_local > 1:
+                self._all_done.wait()
             errors = [(i, e) for i, e in enumerate(self._errors) if e is not None]
             results, self._results = self._results, [None] * self.num_local
             self._errors = [None] * self.num_local

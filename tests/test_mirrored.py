@@ -301,7 +301,7 @@ def test_replica_threads_are_reused_and_stopped_with_the_strategy():
     threads = list(s.extended._group._threads)
     for _ in range(50):
         s.run(lambda: None)
-    assert s.extended._group._threads == threads and len(threads) == 4  # persistent, not one per step
+    assert s.extended._group._threads == threads and len(threads) == 3  # persistent, not one per step
     del s
     gc.collect()
     for t in threads:
