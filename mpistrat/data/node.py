@@ -1,0 +1,122 @@
+"""Pipeline nodes: the lazy graph behind a Dataset, and element helpers.
+
+A node knows its inputs, makes a fresh Python iterator per pass (``iterate``),
+describes its elements (``spec``) and can be copied with new inputs
+(``with_inputs``), which is how auto-sharding rebuilds a pipeline around a
+file source. Nodes know nothing of the public ``Dataset`` class.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from .. import nest
+from .spec import spec_of, to_numpy_leaf
+
+__all__ = ["Node", "normalize_element", "stack_elements", "slice_element", "element_length"]
+
+
+def normalize_element(x: Any) -> Any:
+    """Lists become arrays (as tf.data does); tuples and dicts stay structures; numbers become NumPy."""
+    if isinstance(x, list):
+        return np.asarray(x)
+    if isinstance(x, dict):
+        return type(x)((k, normalize_element(v)) for k, v in x.items()) if type(x) is not dict else {
+            k: normalize_element(v) for k, v in x.items()
+        }
+    if isinstance(x, tuple):
+        items = [normalize_element(v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    return to_numpy_leaf(x)
+
+
+def _stack_leaf(values: list, position: int) -> np.ndarray:
+    first = values[0]
+    if isinstance(first, (bytes, str)) or (isinstance(first, np.ndarray) and first.dtype == object and first.ndim == 0):
+        out = np.empty(len(values), dtype=object)
+        out[:] = values if not isinstance(first, np.ndarray) else [v[()] for v in values]
+        return out
+    try:
+        return np.stack(values)
+    except ValueError:
+        shape0 = np.shape(first)
+        for i, v in enumerate(values):
+            if np.shape(v) != shape0:
+                raise ValueError(
+                    f"Cannot batch tensors with different shapes in component {position}. First element had "
+                    f"shape {list(shape0)} and element {i} had shape {list(np.shape(v))}."
+                ) from None
+        raise
+
+
+def stack_elements(elements: Sequence[Any]) -> Any:
+    """Batch a list of elements of the same structure into one element (leaves stacked on axis 0)."""
+    flats = [nest.flatten(e) for e in elements]
+    n = len(flats[0])
+    for i, f in enumerate(flats):
+        if len(f) != n:
+            nest.assert_same_structure(elements[0], elements[i])
+    leaves = [_stack_leaf([f[j] for f in flats], j) for j in range(n)]
+    return nest.pack_sequence_as(elements[0], leaves)
+
+
+def slice_element(element: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of every leaf of a batched element."""
+    return nest.map_structure(lambda x: x[start:stop], element)
+
+
+def element_length(element: Any) -> int:
+    """The leading (batch) dimension of a batched element; leaves must agree."""
+    lengths = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in nest.flatten(element)}
+    if len(lengths) != 1 or -1 in lengths:
+        raise ValueError(
+            "A distributed dataset's elements must be batches whose components share a leading dimension "
+            f"(call .batch(global_batch_size) before distributing); got leading sizes {sorted(lengths)}"
+        )
+    return lengths.pop()
+
+
+class Node:
+    """One step of a lazy pipeline."""
+
+    inputs: tuple = ()
+
+    def iterate(self) -> Iterator[Any]:
+        """A fresh iterator over this node's elements."""
+        raise NotImplementedError
+
+    def spec(self) -> Any:
+        """The nest of TensorSpecs of an element (default: look at the first element)."""
+        it = self.iterate()
+        try:
+            first = next(it)
+        except StopIteration:
+            raise ValueError(
+                f"Cannot infer the element_spec of an empty {type(self).__name__} dataset"
+            ) from None
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+        return spec_of(first)
+
+    def slice_batches(self, batch_size: int, drop_remainder: bool) -> Optional[Iterator[Any]]:
+        """Fast batching by slicing, for sources that hold arrays; None when not supported."""
+        return None
+
+    def with_inputs(self, inputs: Sequence["Node"]) -> "Node":
+        """A shallow copy of this node reading from ``inputs``."""
+        clone = copy.copy(self)
+        clone.inputs = tuple(inputs)
+        clone._reset_state()
+        return clone
+
+    def _reset_state(self) -> None:
+        """Forget per-pass state kept across passes (caches, epoch counters) in a copy."""
+
+    def describe(self) -> str:
+        """A one-line description for error messages."""
+        return type(self).__name__.replace("Node", "")

@@ -1,0 +1,137 @@
+"""A bounded background producer: the engine of ``Dataset.prefetch`` and per-device prefetch.
+
+A daemon thread pulls items from an iterator and puts them into a bounded
+queue. The thread holds no reference to its owner, so an abandoned owner is
+garbage collected and closes it; ``close()`` stops the thread and joins it; an
+exception in the producer is handed to the consumer at the point it occurred;
+an ``atexit`` hook stops any producer still running so the interpreter never
+waits on one at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Iterator
+
+__all__ = ["BackgroundProducer", "live_producer_threads"]
+
+_END = object()
+_POLL = 0.05
+_live: "weakref.WeakSet[BackgroundProducer]" = weakref.WeakSet()
+_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+class _Failure:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _run(make_iterator: Callable[[], Iterator], q: "queue.Queue", stop: threading.Event) -> None:
+    it = None
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=_POLL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        it = make_iterator()
+        for item in it:
+            if not put(item):
+                return
+        put(_END)
+    except BaseException as exc:  # handed to the consumer, raised there
+        put(_Failure(exc))
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                pass
+
+
+class BackgroundProducer:
+    """Iterate ``make_iterator()`` in a background thread, at most ``buffer_size`` items ahead."""
+
+    def __init__(self, make_iterator: Callable[[], Iterator], buffer_size: int, name: str = "mpistrat-prefetch"):
+        if buffer_size < 1:
+            raise ValueError(f"BackgroundProducer needs buffer_size >= 1, got {buffer_size}")
+        self._queue: "queue.Queue" = queue.Queue(maxsize=buffer_size)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=_run, args=(make_iterator, self._queue, self._stop), name=name, daemon=True)
+        self._thread.start()
+        _live.add(self)
+        _threads.add(self._thread)
+
+    def __iter__(self) -> "BackgroundProducer":
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._finish()
+                    raise RuntimeError("the prefetch thread ended without a result") from None
+        if item is _END:
+            self._finish()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._finish()
+            raise item.exc
+        return item
+
+    def _finish(self) -> None:
+        self._done = True
+        self.close()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The producer thread (for tests and diagnostics)."""
+        return self._thread
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the producer thread, drop buffered items and wait for the thread to end."""
+        self._done = True
+        self._stop.set()
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __del__(self) -> None:
+        try:
+            self._stop.set()
+        except Exception:
+            pass
+
+
+def live_producer_threads() -> list:
+    """The producer threads still running (tests use this to check nothing leaks)."""
+    return [t for t in list(_threads) if t.is_alive()]
+
+
+@atexit.register
+def _stop_all() -> None:
+    for producer in list(_live):
+        producer._stop.set()
+    for producer in list(_live):
+        producer.close(timeout=1.0)
