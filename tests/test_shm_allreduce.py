@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpistrat.comm import shm_allreduce
 from mpistrat.comm.shm_allreduce import ShmAllreduceBackend, parse_bytes
 from mpistrat.comm.topology import node_layout
 
@@ -217,6 +218,7 @@ def test_close_with_a_held_piece_keeps_memory():
 @pytest.mark.mpi(min_size=2)
 def test_calibrated_threshold_agrees_on_all_ranks():
     comm = MPI.COMM_WORLD
+    shm_allreduce._THRESHOLDS.clear()  # measure now, on every rank
     b = ShmAllreduceBackend(comm)
     try:
         assert len(set(comm.allgather(b.min_bytes))) == 1
@@ -268,3 +270,22 @@ def test_parse_bytes_and_bad_options():
         parse_bytes("lots", "MPISTRAT_SHM_MAX_BYTES")
     with pytest.raises(ValueError, match="sync must be"):
         ShmAllreduceBackend(MPI.COMM_SELF, sync="spin", min_bytes=0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calibration_runs_once_per_rank_set(monkeypatch):
+    comm = MPI.COMM_WORLD
+    first = ShmAllreduceBackend(comm)
+    first.close()
+    second = ShmAllreduceBackend(comm)
+    try:
+        assert second.min_bytes == first.min_bytes
+        assert second.calibration == [], "the second backend must reuse the measured threshold"
+    finally:
+        second.close()
+    monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "off")
+    off = ShmAllreduceBackend(comm)
+    try:
+        assert not off.enabled(1 << 20, np.float32, "sum") and off.min_bytes > off.max_bytes
+    finally:
+        off.close()

@@ -39,7 +39,8 @@ every larger measured size, decided on rank 0 and broadcast), unless given.
 Environment knobs (constructor arguments override them):
 
 * ``MPISTRAT_SHM_MIN_BYTES``: smallest bucket to take this path (bytes, K/M/G
-  suffixes allowed), or ``auto`` (default: measured at start-up).
+  suffixes allowed; ``0`` takes it for every size), ``off`` (never), or
+  ``auto`` (default: measured at start-up, once per process and rank set).
 * ``MPISTRAT_SHM_MAX_BYTES``: largest bucket, per rank (default 64M). The
   window takes ``2 x`` this per rank at most (two buckets).
 * ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
@@ -84,6 +85,9 @@ _INITIAL = 1 << 20
 _CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _ALIGN = 64  # slice boundaries on cache lines
 _MARGIN = 0.9  # the window path must be this much faster to be chosen
+# Calibrated thresholds by (world ranks, layout, sync, max_bytes): one start-up
+# measurement per process for each set of ranks, not one per backend.
+_THRESHOLDS: dict[tuple, int] = {}
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -161,6 +165,8 @@ class ShmAllreduceBackend:
         self._bucket = 0
         self._pending: tuple[int, np.dtype] | None = None
         self._closed = False
+        if min_bytes is None and os.environ.get("MPISTRAT_SHM_MIN_BYTES", "").strip().lower() == "off":
+            min_bytes = self.max_bytes + 1
         explicit = min_bytes if min_bytes is not None else _env_bytes("MPISTRAT_SHM_MIN_BYTES", None)
         self.calibration: list[tuple[int, float, float]] = []
         if explicit is not None:
@@ -168,7 +174,7 @@ class ShmAllreduceBackend:
         elif self.owners < 2:
             self.min_bytes = self.max_bytes + 1  # one rank per node: nothing to share, plain MPI
         else:
-            self.min_bytes = self._calibrate()
+            self.min_bytes = self._measured_threshold()
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- protocol -----------------------------------------------------------
@@ -331,6 +337,21 @@ class ShmAllreduceBackend:
                 ufunc(dst, views[k][s:e], out=dst)
             if tmp is not None:
                 own[s:e] = dst
+
+    def _measured_threshold(self) -> int:
+        """The calibrated ``min_bytes``, measured once per rank set and layout (collective)."""
+        assert self.layout is not None
+        lay = self.layout
+        mine, whole = lay.comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        world = mine.Translate_ranks(list(range(lay.comm.Get_size())), whole)
+        mine.Free()
+        whole.Free()
+        key = (tuple(world), lay.num_nodes, lay.local_size, self.owners, self.sync_kind, self.max_bytes)
+        cached = _THRESHOLDS.get(key)
+        if lay.comm.allreduce(cached is not None, op=MPI.LAND):
+            return int(lay.comm.bcast(cached, root=0))
+        _THRESHOLDS[key] = threshold = self._calibrate()
+        return threshold
 
     def _calibrate(self) -> int:
         """Smallest measured size from which this path beats raw ``Allreduce`` (collective).
