@@ -33,6 +33,8 @@ from mpistrat.variables import (
     VariableSynchronization,
 )
 
+from mpistrat import timeline  # noqa: E402  (starts recording when MPISTRAT_TIMELINE is set)
+
 __version__ = "0.1.0"
 
 # Names whose modules need MPI or optional parts are imported on first use.

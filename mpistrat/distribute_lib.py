@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from mpistrat import context, nest
+from mpistrat import context, nest, timeline
 from mpistrat import devices as dev
 from mpistrat.context import Frame
 from mpistrat.cross_device_ops import CrossDeviceOps, select_cross_device_ops
@@ -486,7 +486,11 @@ class Strategy:
         if context.get_replica_context() is not None and context.has_strategy():
             raise RuntimeError("strategy.run cannot be called inside a replica function (already in replica context)")
         with self.scope():
-            return self._extended.call_for_each_replica(fn, args, kwargs)
+            if not timeline.enabled():
+                return self._extended.call_for_each_replica(fn, args, kwargs)
+            with timeline.span("run", "step", fn=getattr(fn, "__name__", "fn"),
+                               replicas=self._extended._num_local):
+                return self._extended.call_for_each_replica(fn, args, kwargs)
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None) -> Any:
         """Reduce ``value`` across replicas (and along ``axis`` within each replica) to the host."""
