@@ -25,7 +25,7 @@ PROBE = textwrap.dedent("""\
     from mpistrat.comm.cluster import MPIClusterResolver, default_cluster_resolver
     m = MPIClusterResolver()
     d = default_cluster_resolver()
-    print(json.dumps({
+    sys.stdout.write(json.dumps({
         "procid": int(os.environ["SLURM_PROCID"]), "localid": int(os.environ["SLURM_LOCALID"]),
         "rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
         "slurm": {"task": [s.task_type, s.task_id], "spec": s.cluster_spec().as_dict(),
@@ -34,7 +34,8 @@ PROBE = textwrap.dedent("""\
         "mpi": {"task": [m.task_type, m.task_id], "spec": m.cluster_spec().as_dict(),
                 "local": [m.local_rank, m.local_size], "devices": m.local_devices()},
         "default": type(d).__name__,
-    }), flush=True)
+    }) + "\\n")  # one write per line: tasks share the output file
+    sys.stdout.flush()
 """)
 
 
