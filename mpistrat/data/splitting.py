@@ -58,15 +58,27 @@ def global_steps(batches: Iterator[Any], num_replicas: int, first_replica: int, 
 
 
 def local_steps(batches: Iterator[Any], num_workers: int, num_local: int, worker_index: int) -> Iterator[List[Any]]:
-    """FILE/OFF: each local batch cut into W*R rotated pieces, R pieces per step over W steps."""
+    """FILE/OFF: each local batch cut into W*R rotated pieces, R pieces per step over W steps.
+
+    Steps with no rows at all after the worker's last batch are dropped; to know a
+    batch is the last one, the next batch is read early only when such steps exist.
+    """
     it = iter(batches)
     end = object()
     batch = next(it, end)
     while batch is not end:
-        following = next(it, end)
         pieces = _cuts(batch, rotated_sizes(element_length(batch), num_workers, num_local, worker_index))
         steps = [pieces[s * num_local:(s + 1) * num_local] for s in range(num_workers)]
-        if following is end:  # no empty steps after the worker's last rows
+        if not all(element_length(p) == 0 for p in steps[-1]):
+            yield from steps
+            batch = next(it, end)
+            continue
+        try:
+            following = next(it, end)
+        except Exception:
+            yield from steps  # hand out what was read, then report the error at its own step
+            raise
+        if following is end:
             while steps and all(element_length(p) == 0 for p in steps[-1]):
                 steps.pop()
         yield from steps

@@ -1,0 +1,247 @@
+"""Distributed datasets on one worker: batch splitting, options, iterators, prefetch lifecycle."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import mpistrat.data as D
+from mpistrat.data import InputPipelineError, OutOfRangeError, TensorSpec
+from mpistrat.data.distribute import DistributedDataset, DistributedDatasetsFromFunction
+from mpistrat.data.prefetch import live_producer_threads
+from mpistrat.data.spec import PerReplicaSpec
+from mpistrat.data.splitting import rotated_sizes, split_sizes
+from mpistrat.input_options import InputContext, InputOptions, InputReplicationMode, InputWorkerInfo
+from mpistrat.values import PerReplica
+
+ONE = InputWorkerInfo.single(("/cpu:0",))
+TWO = InputWorkerInfo.single(("/cpu:0", "/cpu:1"))
+THREE = InputWorkerInfo.single(("/cpu:0", "/cpu:1", "/cpu:2"))
+BUFFERS = [InputOptions(experimental_per_replica_buffer_size=0), InputOptions(), InputOptions(experimental_per_replica_buffer_size=3),
+           InputOptions(experimental_fetch_to_device=False)]
+
+
+def values(x):
+    return [v.tolist() for v in x.values] if isinstance(x, PerReplica) else [x.tolist()]
+
+
+def wait_threads(n, timeout=5.0):
+    deadline = time.time() + timeout
+    while len(live_producer_threads()) > n and time.time() < deadline:
+        time.sleep(0.01)
+    return len(live_producer_threads())
+
+
+def test_split_sizes_match_numpy_array_split_and_tf_rotation():
+    for n in range(0, 12):
+        for parts in range(1, 6):
+            assert split_sizes(n, parts) == [len(a) for a in np.array_split(np.arange(n), parts)]
+    # tf batch_sizes_for_worker docstring: G=7, W=2, R=2 -> worker 0 [2,2,2,1], worker 1 [2,1,2,2]
+    assert rotated_sizes(7, 2, 2, 0) == [2, 2, 2, 1]
+    assert rotated_sizes(7, 2, 2, 1) == [2, 1, 2, 2]
+
+
+@pytest.mark.parametrize("options", BUFFERS)
+def test_one_replica_gets_whole_batches(options):
+    dist = DistributedDataset(D.Dataset.range(7).batch(3), ONE, options)
+    assert [values(x) for x in dist] == [[[0, 1, 2]], [[3, 4, 5]], [[6]]]
+    assert [values(x) for x in dist] == [[[0, 1, 2]], [[3, 4, 5]], [[6]]]  # a new pass each iter
+
+
+@pytest.mark.parametrize("options", BUFFERS)
+def test_two_local_replicas_array_split_and_empty_batches(options):
+    ds = D.Dataset.from_tensor_slices((np.arange(7, dtype=np.float32).reshape(7, 1), np.arange(7))).batch(3)
+    steps = list(DistributedDataset(ds, TWO, options))
+    assert len(steps) == 3 and all(isinstance(s, PerReplica) for s in steps)
+    feats = [[v[0][:, 0].tolist() for v in s.values] for s in steps]
+    assert feats == [[[0, 1], [2]], [[3, 4], [5]], [[6], []]]
+    empty = steps[2].values[1]
+    assert empty[0].shape == (0, 1) and empty[0].dtype == np.float32 and empty[1].shape == (0,) and empty[1].dtype == np.int64
+
+
+def test_three_replicas_partial_batch_smaller_than_replicas():
+    steps = list(DistributedDataset(D.Dataset.range(5).batch(4), THREE, None))
+    assert [values(s) for s in steps] == [[[0, 1], [2], [3]], [[4], [], []]]
+
+
+def test_dict_elements_and_bytes():
+    ds = D.Dataset.from_tensor_slices({"x": np.arange(4), "s": [b"a", b"b", b"c", b"d"]}).batch(4)
+    (step,) = list(DistributedDataset(ds, TWO, None))
+    assert step.values[0]["s"].tolist() == [b"a", b"b"] and step.values[1]["x"].tolist() == [2, 3]
+
+
+def test_element_spec_and_iterator_api():
+    dist = DistributedDataset(D.Dataset.range(4).batch(2), TWO, None)
+    spec = TensorSpec((None,), np.dtype(np.int64))
+    assert dist.element_spec == PerReplicaSpec((spec, spec))
+    single = DistributedDataset(D.Dataset.range(4).batch(2, drop_remainder=True), ONE, None)
+    assert single.element_spec == spec
+    it = iter(single)
+    assert it.element_spec == spec
+    assert it.get_next().tolist() == [0, 1]
+    opt = it.get_next_as_optional()
+    assert opt.has_value() and opt.get_value().tolist() == [2, 3]
+    end = it.get_next_as_optional()
+    assert not end.has_value()
+    with pytest.raises(OutOfRangeError):
+        end.get_value()
+    with pytest.raises(OutOfRangeError, match="End of sequence"):
+        it.get_next()
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_reduce():
+    dist = DistributedDataset(D.Dataset.range(10).batch(4), TWO, None)
+    total = dist.reduce(0, lambda s, x: s + sum(int(v.sum()) for v in x.values))
+    assert total == 45
+    steps = dist.reduce(0, lambda s, x: s + 1)
+    assert steps == 3
+
+
+def test_transformations_after_distribution_raise():
+    dist = DistributedDataset(D.Dataset.range(4).batch(2), ONE, None)
+    for name in ["map", "batch", "shuffle", "repeat", "filter", "prefetch"]:
+        with pytest.raises(AttributeError, match=f"cannot be transformed. Apply .{name}"):
+            getattr(dist, name)
+
+
+def test_unbatched_dataset_is_rejected_with_a_clear_error():
+    with pytest.raises(InputPipelineError, match="call .batch"):
+        list(DistributedDataset(D.Dataset.range(4), TWO, None))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="mpistrat.data.Dataset"):
+        DistributedDataset([1, 2, 3], ONE, None)
+    with pytest.raises(TypeError, match="InputWorkerInfo"):
+        DistributedDataset(D.Dataset.range(2).batch(1), object(), None)
+    with pytest.raises(NotImplementedError, match="PER_REPLICA is only supported in `distribute_datasets_from_function`"):
+        DistributedDataset(D.Dataset.range(2).batch(1), ONE,
+                           InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA))
+    with pytest.raises(ValueError, match="experimental_per_replica_buffer_size"):
+        DistributedDataset(D.Dataset.range(2).batch(1), ONE, InputOptions(experimental_per_replica_buffer_size=-1))
+    with pytest.raises(ValueError, match="must also specify `PER_REPLICA`"):
+        DistributedDatasetsFromFunction(lambda c: D.Dataset.range(1), ONE, InputOptions(experimental_place_dataset_on_device=True))
+    with pytest.raises(ValueError, match="can not be set to True when experimental_fetch_to_device is True"):
+        DistributedDatasetsFromFunction(lambda c: D.Dataset.range(1), ONE, InputOptions(
+            experimental_place_dataset_on_device=True, experimental_replication_mode=InputReplicationMode.PER_REPLICA))
+    with pytest.raises(TypeError, match="dataset_fn must return"):
+        DistributedDatasetsFromFunction(lambda c: [1], ONE, None)
+
+
+def test_input_options_defaults_and_context():
+    o = InputOptions()
+    assert o.experimental_fetch_to_device is None and o.fetch_to_device
+    assert o.experimental_replication_mode == InputReplicationMode.PER_WORKER
+    assert o.experimental_place_dataset_on_device is False and o.experimental_per_replica_buffer_size == 1
+    ctx = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
+    assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (2, 1, 4)
+    assert ctx.get_per_replica_batch_size(8) == 2
+    with pytest.raises(ValueError, match=r"The `global_batch_size` 6 is not divisible by `num_replicas_in_sync` 4 "):
+        ctx.get_per_replica_batch_size(6)
+    assert str(ctx) == "mpistrat.InputContext(input pipeline id 1, total: 2)"
+    with pytest.raises(ValueError, match="num_replicas_in_sync"):
+        InputWorkerInfo(1, 0, ("/cpu:0",), 2, 0, None)
+    with pytest.raises(ValueError, match="need a communicator"):
+        InputWorkerInfo(2, 0, ("/cpu:0",), 2, 0, None)
+
+
+def test_datasets_from_function_per_worker_and_per_replica():
+    seen = []
+
+    def fn(ctx):
+        seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        return D.Dataset.range(ctx.input_pipeline_id * 100, ctx.input_pipeline_id * 100 + 5).batch(ctx.get_per_replica_batch_size(4))
+
+    dist = DistributedDatasetsFromFunction(fn, TWO, None)
+    assert seen == [(1, 0, 2)]
+    # one dataset feeds both replicas: two batches dequeued per step
+    assert [values(s) for s in dist] == [[[0, 1], [2, 3]], [[4], []]]
+    seen.clear()
+    per_rep = DistributedDatasetsFromFunction(
+        fn, TWO, InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA))
+    assert seen == [(2, 0, 2), (2, 1, 2)]
+    assert [values(s) for s in per_rep] == [[[0, 1], [100, 101]], [[2, 3], [102, 103]], [[4], [104]]]
+    assert per_rep.element_spec == PerReplicaSpec((TensorSpec((None,), np.dtype(np.int64)),) * 2)
+
+
+def test_prefetch_thread_runs_ahead_and_stops_with_the_iterator():
+    before = len(live_producer_threads())
+    produced = []
+
+    def note(x):
+        produced.append(int(x[0]))
+        return x
+
+    ds = D.Dataset.range(100).batch(2).map(note)
+    it = iter(DistributedDataset(ds, ONE, InputOptions(experimental_per_replica_buffer_size=2)))
+    assert next(it).tolist() == [0, 1]
+    deadline = time.time() + 5
+    while len(produced) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(produced) >= 3  # the thread prepared batches ahead of the consumer
+    assert len(produced) <= 1 + 2 + 1  # but only buffer_size ahead (plus the one in hand)
+    assert len(live_producer_threads()) == before + 1
+    it.close()
+    assert wait_threads(before) == before
+    with pytest.raises(StopIteration):
+        next(it)
+    # no thread without prefetch
+    it = iter(DistributedDataset(ds, ONE, InputOptions(experimental_per_replica_buffer_size=0)))
+    next(it)
+    assert len(live_producer_threads()) == before
+    # a finished pass leaves no thread
+    list(DistributedDataset(D.Dataset.range(6).batch(2), TWO, None))
+    assert wait_threads(before) == before
+    # an abandoned iterator's thread ends too
+    it = iter(DistributedDataset(D.Dataset.range(10**6).batch(2), TWO, None))
+    next(it)
+    del it
+    assert wait_threads(before) == before
+
+
+def test_prefetch_overlaps_input_with_compute():
+    def slow_input(x):
+        time.sleep(0.02)
+        return x
+
+    ds = D.Dataset.range(12).batch(1).map(slow_input)
+    for buffer in (0, 2):
+        t0 = time.perf_counter()
+        for _ in DistributedDataset(ds, ONE, InputOptions(experimental_per_replica_buffer_size=buffer)):
+            time.sleep(0.02)  # compute
+        elapsed = time.perf_counter() - t0
+        if buffer == 0:
+            serial = elapsed
+    assert serial >= 12 * 0.04 * 0.95
+    assert elapsed < serial * 0.8  # input and compute overlap with prefetch
+
+
+@pytest.mark.parametrize("buffer", [0, 2])
+def test_read_error_propagates_to_consumer(tmp_path, buffer):
+    path = tmp_path / "d.tfrecord"
+    with D.TFRecordWriter(path) as w:
+        for i in range(6):
+            w.write(bytes([i]) * 8)
+    data = bytearray(path.read_bytes())
+    data[3 * 24 + 14] ^= 1  # record 3's data
+    path.write_bytes(bytes(data))
+    ds = D.TFRecordDataset(str(path)).map(lambda r: np.frombuffer(r, np.uint8)).batch(2)
+    before = len(live_producer_threads())
+    it = iter(DistributedDataset(ds, ONE, InputOptions(experimental_per_replica_buffer_size=buffer)))
+    assert next(it).shape == (2, 8)
+    with pytest.raises(InputPipelineError, match=r"failed on rank\(s\) \[0\].*DataLossError.*byte offset 72.*d\.tfrecord") as info:
+        next(it)
+    assert isinstance(info.value.__cause__, D.DataLossError)
+    with pytest.raises(InputPipelineError):
+        next(it)  # stays failed
+    assert wait_threads(before) == before  # the failed pass left no thread behind
+
+
+def test_missing_file_error_names_file(tmp_path):
+    ds = D.TFRecordDataset(str(tmp_path / "gone.tfrecord")).batch(2)
+    with pytest.raises(InputPipelineError, match=r"rank 0: TFRecord file .*gone\.tfrecord.* not found \(byte offset 0\)"):
+        list(DistributedDataset(ds, TWO, None))
