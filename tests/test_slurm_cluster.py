@@ -13,7 +13,12 @@ from slurm import slurm_cluster  # noqa: F401  (the fixture)
 
 from mpistrat.comm.hostlist import expand_hostlist
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]  # first use may apt-get install
+
+
+def slurm_test(func):
+    """Mark a test as needing the cluster; its first use may apt-get install Slurm."""
+    return pytest.mark.slurm(pytest.mark.timeout(900)(func))
+
 
 PROBE = textwrap.dedent("""\
     import json, os, sys
@@ -51,6 +56,7 @@ def _records(stdout):
     return sorted(recs, key=lambda r: r["rank"])
 
 
+@slurm_test
 def test_srun_two_tasks(slurm_cluster, probe):  # noqa: F811
     out = slurm_cluster.srun([sys.executable, probe], 2)
     assert out.returncode == 0, out.stderr + slurm_cluster.logs()
@@ -69,6 +75,7 @@ def test_srun_two_tasks(slurm_cluster, probe):  # noqa: F811
         assert r["slurm"]["gpus"] == {"GPU": 0}
 
 
+@slurm_test
 def test_srun_gpu_binding_uses_real_local_ids(slurm_cluster, probe):  # noqa: F811
     out = slurm_cluster.srun([sys.executable, probe, "4"], 4)
     assert out.returncode == 0, out.stderr
@@ -82,6 +89,7 @@ def test_srun_gpu_binding_uses_real_local_ids(slurm_cluster, probe):  # noqa: F8
     assert recs[0]["slurm"]["alloc"] == ["0,1,2,3", "4,5,6,7"]
 
 
+@slurm_test
 def test_srun_info(slurm_cluster):  # noqa: F811
     out = slurm_cluster.srun([sys.executable, "-m", "mpistrat", "info", "--json"], 2)
     assert out.returncode == 0, out.stderr
@@ -91,6 +99,7 @@ def test_srun_info(slurm_cluster):  # noqa: F811
     assert [r["local_rank"] for r in data["ranks"]] == [0, 1]
 
 
+@slurm_test
 def test_sbatch_wait(slurm_cluster, probe):  # noqa: F811
     script = textwrap.dedent(f"""\
         #!/bin/bash
@@ -113,12 +122,14 @@ def test_sbatch_wait(slurm_cluster, probe):  # noqa: F811
                           ("SlurmClusterResolver", 0), ("SlurmClusterResolver", 1)]
 
 
+@slurm_test
 def test_sbatch_wait_reports_failure(slurm_cluster):  # noqa: F811
     job = slurm_cluster.sbatch("#!/bin/bash\necho about to fail\nexit 3\n")
     assert job.returncode != 0
     assert "about to fail" in job.output
 
 
+@slurm_test
 def test_expand_hostlist_agrees_with_scontrol(slurm_cluster):  # noqa: F811
     for text in ["n[1-2],m5,o[3-4,6,7-9]", "n[0001-0003],m5,o[009-011]", "n[8-11]", "r[1-2]n[01-02]",
                  "n[001-3]", "n[1-010]", "n[3,1-2]", "b,a,b", "login,gpu[1-2]"]:
@@ -127,8 +138,47 @@ def test_expand_hostlist_agrees_with_scontrol(slurm_cluster):  # noqa: F811
         assert expand_hostlist(text) == out.stdout.split(), text
 
 
+@slurm_test
 def test_cluster_start_is_idempotent(slurm_cluster):  # noqa: F811
     conf = slurm_cluster.conf.read_text()
     assert slurm_cluster.start() is slurm_cluster
     assert slurm_cluster.conf.read_text() == conf
     assert slurm_cluster.node_state().rstrip("*") in ("idle", "mix", "alloc")
+
+
+# ----------------------------------------------------------------------------- the fixture's own logic
+# (not marked slurm: these need no cluster)
+
+def test_cannot_install_without_root(monkeypatch):
+    import slurm
+
+    monkeypatch.setattr(slurm, "_have_binaries", lambda: False)
+    monkeypatch.setattr(slurm.os, "geteuid", lambda: 1000)
+    with pytest.raises(slurm.SlurmUnavailable, match="needs root"):
+        slurm.ensure_slurm(log=lambda msg: None)
+
+
+def test_cannot_install_without_apt(monkeypatch):
+    import slurm
+
+    monkeypatch.setattr(slurm, "_have_binaries", lambda: False)
+    monkeypatch.setattr(slurm.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: None)
+    with pytest.raises(slurm.SlurmUnavailable, match="no apt-get"):
+        slurm.ensure_slurm(log=lambda msg: None)
+
+
+def test_cluster_config_is_private(tmp_path):
+    import slurm
+
+    cluster = slurm.SlurmCluster(tmp_path / "c", log=lambda msg: None)
+    cluster._write_conf()
+    conf = cluster.conf.read_text()
+    assert f"StateSaveLocation={tmp_path / 'c'}/state" in conf
+    assert f"NodeName={cluster.hostname} " in conf and "CPUs=8" in conf
+    assert cluster.env["SLURM_CONF"] == str(cluster.conf)
+    assert not any(k.startswith(("SLURM_JOB", "SLURM_PROCID", "SLURM_STEP")) for k in cluster.env)
+    cluster._write_conf()  # idempotent: same ports
+    assert cluster.conf.read_text() == conf
+    cluster.stop()
+    assert not (tmp_path / "c").exists()
