@@ -106,3 +106,33 @@ def test_bad_arguments():
             w.view(0, np.float64, 4, 1)
     finally:
         w.free()
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+def check():  # registered first, so it runs after mpistrat's exit hooks
+    from mpistrat.comm import shm_window
+    from mpi4py import MPI
+    print("open", len(shm_window._OPEN), "freed", backend_win[0] == MPI.WIN_NULL, "finalized", MPI.Is_finalized())
+atexit.register(check)
+import numpy as np
+from mpi4py import MPI
+from mpistrat.comm.shm_allreduce import ShmAllreduceBackend
+b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=0)
+b.pack_buffer(100, np.float32)[:] = 1
+pieces = b.allreduce_packed(100, np.float32, "sum")
+assert pieces[0][1].sum() == 100
+backend_win = [b._window.win]
+del pieces
+"""
+
+
+def test_windows_freed_at_exit_before_finalize(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_free.py"
+    script.write_text(_EXIT_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "open 0 freed True finalized False" in out.stdout, out.stdout + out.stderr
