@@ -15,7 +15,12 @@ from mpistrat.comm.cluster import in_slurm_step, local_devices_for
 
 @pytest.fixture
 def slurm_env(monkeypatch):
-    """Clear Slurm and CUDA variables; return a setter for a fake step."""
+    """Clear Slurm and CUDA variables; return a setter for a fake step.
+
+    The resolver writes CUDA_VISIBLE_DEVICES itself: setting it through
+    monkeypatch first makes sure it is restored after the test.
+    """
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     for key in list(os.environ):
         if key.startswith("SLURM_") or key == "CUDA_VISIBLE_DEVICES":
             monkeypatch.delenv(key)

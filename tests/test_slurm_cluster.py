@@ -14,7 +14,6 @@ from slurm import slurm_cluster  # noqa: F401  (the fixture)
 from mpistrat.comm.hostlist import expand_hostlist
 
 
-
 def slurm_test(func):
     """Mark a test as needing the cluster; its first use may apt-get install Slurm."""
     return pytest.mark.slurm(pytest.mark.timeout(900)(func))
