@@ -161,11 +161,13 @@ class ClusterSpec:
 class ClusterResolver:
     """Base class: ``task_type``, ``task_id``, ``rpc_layer``, ``cluster_spec()``,
     ``master()``, ``num_accelerators()``, ``environment``, plus mpistrat's
-    ``local_devices()``."""
+    ``local_gpus()``, ``local_devices()`` and ``comm`` (the MPI communicator
+    whose ranks are the tasks; None means ``COMM_WORLD``)."""
 
     task_type: str | None = None
     task_id: int | None = None
     rpc_layer: str | None = None
+    comm: Any = None
 
     def cluster_spec(self) -> ClusterSpec:
         """The cluster's jobs and task addresses."""
