@@ -1,0 +1,494 @@
+"""RankCommunicator: the cross-rank collectives under the strategies.
+
+Every call first agrees with every rank on what is being done
+(:class:`~mpistrat.comm.safety.AgreementGuard`: one tiny collective that
+also carries per-rank sizes or codes where a call needs them), honouring
+``options.timeout_seconds``, then moves the data:
+
+* ``allreduce``: arrays are grouped by kind (NumPy, CuPy, other
+  ``__cuda_array_interface__`` objects) and dtype into buckets of up to
+  ``bytes_per_pack`` (:mod:`~mpistrat.comm.fusion`), one MPI call per
+  bucket through the first enabled backend (:mod:`~mpistrat.comm.backends`).
+  A bucket holding one contiguous array goes straight to MPI (no packing).
+  Plans, buckets and result arrays are cached per call signature, so the
+  hot path allocates nothing for shapes it has seen; results handed out are
+  never overwritten by later calls (see :class:`~mpistrat.comm.fusion.ResultPool`).
+* ``allgather`` (sizes along ``axis`` may differ: ``Allgatherv``),
+  ``broadcast``, and pickled ``broadcast_object`` / ``allgather_object``.
+* ``step_agreement(code)``: one int per rank, carried by the check itself.
+
+CuPy arrays go to MPI directly when it is CUDA-aware
+(:func:`~mpistrat.comm.cuda.mpi_cuda_support`), after synchronising the
+stream; otherwise through pinned host buffers. Other objects exposing only
+``__cuda_array_interface__`` need a CUDA-aware MPI and ``inplace=True``.
+A one-rank communicator makes no MPI call and keeps the same semantics.
+A communicator is used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, mpi_datatype, select_backends
+from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
+from .fusion import Bucket, ResultPool, pack, plan_buckets, unpack
+from .options import CommunicationOptions
+from .safety import AgreementGuard, CallKey
+
+__all__ = ["RankCommunicator", "normalize_op"]
+
+_HOST, _CUPY, _CAI = 0, 1, 2
+_KIND_NAMES = {_HOST: "NumPy", _CUPY: "CuPy", _CAI: "__cuda_array_interface__"}
+_SCALARS = (int, float, complex, np.generic)
+_PLAN_CACHE_MAX = 512
+
+
+def normalize_op(op: Any) -> str:
+    """``"sum"``, ``"min"`` or ``"max"`` from a string or ``ReduceOp`` (ValueError otherwise)."""
+    name = getattr(op, "value", op)
+    if isinstance(name, str):
+        lower = name.strip().lower()
+        if lower in MPI_OPS:
+            return lower
+        if lower == "mean":
+            raise ValueError(
+                "op 'mean' is not a cross-rank all-reduce op: all-reduce with 'sum' and divide by the "
+                "number of replicas"
+            )
+    raise ValueError(f"Unknown all-reduce op {op!r}; expected 'sum', 'min' or 'max' (or a ReduceOp)")
+
+
+def _op_param(op: Any) -> tuple[str, Exception | None]:
+    if type(op) is str and op in MPI_OPS:
+        return op, None
+    try:
+        return normalize_op(op), None
+    except ValueError as exc:
+        return repr(op), exc
+
+
+def _cai_info(x: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
+    cai = x.__cuda_array_interface__
+    shape = tuple(int(n) for n in cai["shape"])
+    dtype = np.dtype(cai["typestr"])
+    strides = cai.get("strides")
+    contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
+    return shape, dtype, contiguous
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class _Step:
+    """One bucket of an all-reduce plan and how it is reduced."""
+
+    __slots__ = ("bucket", "kind", "backend", "xp", "direct", "pool", "members")
+
+    def __init__(self, bucket: Bucket, kind: int, backend: Any, xp: Any) -> None:
+        self.bucket = bucket
+        self.kind = kind
+        self.backend = backend
+        self.xp = xp
+        self.members = bucket.members
+        self.direct = len(bucket.members) == 1 and hasattr(backend, "allreduce_array")
+        self.pool = ResultPool(bucket, xp) if kind != _CAI else None
+
+
+class RankCommunicator:
+    """Cross-rank collectives over a duplicate of ``comm`` (collective to create).
+
+    Args:
+      comm: the ranks taking part (default ``MPI.COMM_WORLD``); duplicated.
+      options: default :class:`CommunicationOptions`; per-call options
+        override them (:meth:`CommunicationOptions.merge`).
+    """
+
+    def __init__(self, comm: MPI.Comm | None = None, options: CommunicationOptions | None = None) -> None:
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if options is None:
+            options = CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(f"options must be a CommunicationOptions, got {type(options).__name__}")
+        self.options = options
+        self.comm: MPI.Comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self._timeout = options.timeout()
+        self._pack = options.pack_bytes()
+        self._guard = AgreementGuard(self.comm) if self.size > 1 else None
+        self._host_backends: list[Any] = (
+            select_backends(self.comm, options) if self.size > 1 else [MpiAllreduceBackend(self.comm)]
+        )
+        self._device_backend: DeviceMpiAllreduceBackend | None = None
+        self._plans: dict[Any, list[_Step]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ helpers
+
+    def _settings(self, options: CommunicationOptions | None) -> tuple[float, int]:
+        if options is None:
+            return self._timeout, self._pack
+        merged = self.options.merge(options)
+        return merged.timeout(), merged.pack_bytes()
+
+    def _check(self, key: CallKey, timeout: float, aux: int = 0) -> np.ndarray | None:
+        if self._closed:
+            raise RuntimeError("RankCommunicator used after close()")
+        if self._guard is None:
+            return None
+        return self._guard.check(key, timeout, aux)
+
+    def _agree_or_raise(self, key: CallKey, error: Exception | None, timeout: float, aux: int = 0) -> np.ndarray | None:
+        """Run the check; a local error travels in the key so every rank raises."""
+        if error is not None:
+            key = (key[0], (("error", f"{type(error).__name__}: {error}"),), ())
+        aux_values = self._check(key, timeout, aux)
+        if error is not None:
+            raise error
+        return aux_values
+
+    @property
+    def cuda_aware(self) -> bool:
+        """Whether CuPy buffers go to MPI directly (else host-staged)."""
+        return bool(mpi_cuda_support())
+
+    def _device(self) -> DeviceMpiAllreduceBackend:
+        if self._device_backend is None:
+            self._device_backend = DeviceMpiAllreduceBackend(self.comm, self.cuda_aware)
+        return self._device_backend
+
+    # ------------------------------------------------------------------ all-reduce
+
+    def _signature(self, arrays: list, inplace: bool) -> tuple[tuple, tuple | None, Exception | None]:
+        """Per-array ``(shape, dtype)`` signature, the arrays' kinds, a local error."""
+        sig = []
+        kinds = None
+        for i, a in enumerate(arrays):
+            if type(a) is np.ndarray:
+                if inplace and not a.flags.writeable:
+                    return (), None, ValueError(f"allreduce(inplace=True): array #{i} is read-only")
+                sig.append((a.shape, a.dtype.str))
+                continue
+            if kinds is None:
+                kinds = [_HOST] * i
+            if isinstance(a, np.ndarray):
+                sig.append((a.shape, a.dtype.str))
+                kinds.append(_HOST)
+            elif is_cupy_array(a):
+                sig.append((tuple(a.shape), a.dtype.str))
+                kinds.append(_CUPY)
+            elif is_device_buffer(a):
+                shape, dtype, contiguous = _cai_info(a)
+                if not inplace:
+                    return (), None, TypeError(
+                        f"allreduce: array #{i} ({type(a).__name__}) exposes only __cuda_array_interface__; "
+                        "such buffers are reduced in place: pass inplace=True"
+                    )
+                if not contiguous:
+                    return (), None, ValueError(f"allreduce: array #{i} ({type(a).__name__}) is not C-contiguous")
+                if self.size > 1 and not self.cuda_aware:
+                    return (), None, RuntimeError(
+                        f"allreduce: array #{i} ({type(a).__name__}) is device memory and this MPI is not "
+                        "CUDA-aware (set MPISTRAT_CUDA_AWARE=1 if it is); use CuPy arrays for host staging"
+                    )
+                sig.append((shape, dtype.str))
+                kinds.append(_CAI)
+            elif isinstance(a, _SCALARS) and not isinstance(a, bool):
+                if inplace:
+                    return (), None, TypeError(f"allreduce(inplace=True): item #{i} is a scalar {a!r}, not an array")
+                arrays[i] = a = np.asarray(a)
+                sig.append((a.shape, a.dtype.str))
+                kinds.append(_HOST)
+            else:
+                return (), None, TypeError(
+                    f"allreduce: item #{i} is a {type(a).__name__}; expected NumPy or CuPy arrays or numbers"
+                )
+        return tuple(sig), (tuple(kinds) if kinds is not None else None), None
+
+    def _plan(self, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[_Step]:
+        cache_key = (sig, kinds, op, pack_bytes)
+        steps = self._plans.get(cache_key)
+        if steps is not None:
+            return steps
+        op = normalize_op(op)
+        for i, (_, code) in enumerate(sig):
+            dtype = np.dtype(code)
+            if dtype.kind not in "iufc":
+                raise TypeError(
+                    f"allreduce: array #{i} has dtype {dtype}; supported are integer, float and complex dtypes"
+                )
+            if dtype.kind == "c" and op != "sum":
+                raise TypeError(f"allreduce: op {op!r} is not defined for complex array #{i} ({dtype})")
+            mpi_datatype(dtype)  # ValueError when MPI has no such type
+        kinds_list = kinds if kinds is not None else (_HOST,) * len(sig)
+        steps = []
+        for kind in (_HOST, _CUPY, _CAI):
+            index = [i for i, k in enumerate(kinds_list) if k == kind]
+            if not index:
+                continue
+            if kind == _CAI:
+                # One direct call per buffer: nothing to pack them with.
+                buckets = [self._single_bucket(i, sig[i]) for i in index]
+            else:
+                sub = plan_buckets([sig[i] for i in index], pack_bytes)
+                buckets = [
+                    Bucket(b.dtype, b.count, tuple(index[m] for m in b.members), b.offsets, b.sizes, b.shapes)
+                    for b in sub
+                ]
+            for b in buckets:
+                if kind == _HOST:
+                    backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
+                    xp = np
+                else:
+                    backend = self._device()
+                    xp = sys.modules.get("cupy") if kind == _CUPY else None
+                steps.append(_Step(b, kind, backend, xp))
+        if len(self._plans) >= _PLAN_CACHE_MAX:
+            self._plans.clear()
+        self._plans[cache_key] = steps
+        return steps
+
+    @staticmethod
+    def _single_bucket(i: int, entry: tuple) -> Bucket:
+        shape, code = entry
+        size = int(np.prod(shape, dtype=np.int64))
+        return Bucket(np.dtype(code), size, (i,), (0,), (size,), (tuple(shape),))
+
+    def allreduce(
+        self,
+        arrays: Sequence[Any],
+        op: Any,
+        options: CommunicationOptions | None = None,
+        *,
+        inplace: bool = False,
+    ) -> list:
+        """Reduce each array element-wise across ranks; every rank gets the results.
+
+        ``op`` is ``"sum"``, ``"min"`` or ``"max"``. With ``inplace=True`` the
+        input arrays are overwritten and returned; otherwise the inputs are
+        untouched and the results are new arrays, never overwritten later.
+        """
+        timeout, pack_bytes = self._settings(options)
+        arrays = list(arrays)
+        opname, error = _op_param(op)
+        sig, kinds, sig_error = self._signature(arrays, inplace)
+        error = error or sig_error
+        self._agree_or_raise(("allreduce", (("op", opname),), sig), error, timeout)
+        steps = self._plan(sig, kinds, opname, pack_bytes)
+        if self.size == 1:
+            if inplace:
+                return arrays
+            return [a.copy() for a in arrays]
+        results = arrays if inplace else [None] * len(arrays)
+        for step in steps:
+            b = step.bucket
+            backend = step.backend
+            if step.direct:
+                a = arrays[b.members[0]]
+                if step.kind == _CAI:
+                    backend.allreduce_array(MPI.IN_PLACE, a, opname)
+                    continue
+                if a.flags.c_contiguous:
+                    if inplace:
+                        backend.allreduce_array(MPI.IN_PLACE, a, opname)
+                    else:
+                        view = step.pool.get()[1][0]
+                        backend.allreduce_array(a, view, opname)
+                        results[b.members[0]] = view
+                    continue
+            xp = step.xp
+            buf = backend.pack_buffer(b.count, b.dtype)
+            pack(arrays, b, buf, xp)
+            if inplace:
+                pieces = backend.allreduce_packed(b.count, b.dtype, opname)
+                unpack(pieces, b, [arrays[i] for i in b.members], xp)
+                continue
+            block, views = step.pool.get()
+            to = getattr(backend, "allreduce_packed_to", None)
+            if to is not None:
+                to(b.count, b.dtype, opname, block)
+            else:
+                unpack(backend.allreduce_packed(b.count, b.dtype, opname), b, views, xp)
+            for i, v in zip(b.members, views):
+                results[i] = v
+        return results
+
+    # ------------------------------------------------------------------ all-gather
+
+    def allgather(self, array: Any, axis: int = 0, options: CommunicationOptions | None = None) -> Any:
+        """Concatenate every rank's ``array`` along ``axis`` (rank order).
+
+        Sizes along ``axis`` may differ between ranks; the other dimensions
+        and the dtype must agree.
+        """
+        timeout, _ = self._settings(options)
+        error = None
+        shape: tuple = ()
+        code = ""
+        try:
+            cupy_array = is_cupy_array(array)
+            if not cupy_array:
+                if is_device_buffer(array):
+                    raise TypeError(f"allgather: {type(array).__name__} buffers are not supported; use CuPy or NumPy")
+                array = np.asarray(array)
+            if array.ndim == 0:
+                raise ValueError("allgather needs an array with at least one dimension; got a scalar")
+            if not isinstance(axis, (int, np.integer)) or not -array.ndim <= axis < array.ndim:
+                raise ValueError(f"allgather: axis {axis!r} is out of range for an array of rank {array.ndim}")
+            axis = int(axis) % array.ndim
+            shape = tuple(array.shape)
+            code = array.dtype.str
+            mpi_datatype(array.dtype)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        other = tuple(-1 if d == axis else n for d, n in enumerate(shape))
+        key = ("allgather", (("axis", axis),), ((other, code),))
+        counts = self._agree_or_raise(key, error, timeout, aux=shape[axis] if shape else 0)
+        if self.size == 1:
+            return array.copy()
+        counts = [int(c) for c in counts]
+        xp = sys.modules["cupy"] if cupy_array else np
+        if cupy_array and not self.cuda_aware:
+            return xp.asarray(self._allgatherv(array.get(), axis, counts, np))
+        if cupy_array:
+            synchronize_producer(array)
+        return self._allgatherv(array, axis, counts, xp)
+
+    def _allgatherv(self, array: Any, axis: int, counts: list[int], xp: Any) -> Any:
+        moved = xp.ascontiguousarray(xp.moveaxis(array, axis, 0)) if axis else xp.ascontiguousarray(array)
+        rest = moved.shape[1:]
+        row = int(np.prod(rest, dtype=np.int64))
+        out = xp.empty((sum(counts),) + rest, dtype=moved.dtype)
+        sizes = [c * row for c in counts]
+        displs = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist()
+        self.comm.Allgatherv(moved, [out, sizes, displs, mpi_datatype(moved.dtype)])
+        return xp.ascontiguousarray(xp.moveaxis(out, 0, axis)) if axis else out
+
+    # ------------------------------------------------------------------ broadcast
+
+    def broadcast(self, arrays: Sequence[Any], root: int = 0, options: CommunicationOptions | None = None) -> list:
+        """Every rank gets ``root``'s arrays (new arrays; inputs untouched).
+
+        Every rank passes arrays of the same shapes and dtypes (their values
+        are ignored except on ``root``).
+        """
+        timeout, pack_bytes = self._settings(options)
+        arrays = list(arrays)
+        error = None
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            error = ValueError(f"broadcast: root {root!r} is not a rank of this {self.size}-rank communicator")
+            sig, kinds = (), None
+        else:
+            sig, kinds, error = self._signature(arrays, inplace=False)
+            if error is None and kinds is not None and _CAI in kinds:
+                error = TypeError("broadcast: buffers with only __cuda_array_interface__ are not supported")
+        key = ("broadcast", (("root", int(root) if error is None else repr(root)),), sig)
+        self._agree_or_raise(key, error, timeout)
+        for i, (_, code) in enumerate(sig):
+            mpi_datatype(np.dtype(code))
+        if self.size == 1:
+            return [a.copy() for a in arrays]
+        kinds_list = kinds if kinds is not None else (_HOST,) * len(sig)
+        results: list = [None] * len(arrays)
+        host_index = [i for i, k in enumerate(kinds_list) if k == _HOST]
+        device_index = [i for i, k in enumerate(kinds_list) if k == _CUPY]
+        if host_index:
+            got = self._bcast_list([arrays[i] for i in host_index], root, pack_bytes, np)
+            for i, v in zip(host_index, got):
+                results[i] = v
+        if device_index:
+            cupy = sys.modules["cupy"]
+            items = [arrays[i] for i in device_index]
+            if self.cuda_aware:
+                synchronize_producer(items[0])
+                got = self._bcast_list(items, root, pack_bytes, cupy)
+            else:
+                got = [cupy.asarray(h) for h in self._bcast_list([a.get() for a in items], root, pack_bytes, np)]
+            for i, v in zip(device_index, got):
+                results[i] = v
+        return results
+
+    def _bcast_list(self, arrays: list, root: int, pack_bytes: int, xp: Any) -> list:
+        out: list = [None] * len(arrays)
+        for b in plan_buckets([(a.shape, a.dtype) for a in arrays], pack_bytes):
+            block = xp.empty(b.count, dtype=b.dtype)
+            if self.rank == root:
+                pack(arrays, b, block, xp)
+            self.comm.Bcast(block, root=root)
+            for i, o, n, s in zip(b.members, b.offsets, b.sizes, b.shapes):
+                out[i] = block[o : o + n].reshape(s)
+        return out
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """``root``'s picklable object on every rank."""
+        error = None
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            error = ValueError(f"broadcast_object: root {root!r} is not a rank of this {self.size}-rank communicator")
+        self._agree_or_raise(("broadcast_object", (("root", repr(root)),), ()), error, self._timeout)
+        if self.size == 1:
+            return obj
+        return self.comm.bcast(obj, root=int(root))
+
+    def allgather_object(self, obj: Any, options: CommunicationOptions | None = None) -> list:
+        """Every rank's picklable object, in rank order."""
+        timeout, _ = self._settings(options)
+        self._check(("allgather_object", (), ()), timeout)
+        if self.size == 1:
+            return [obj]
+        return self.comm.allgather(obj)
+
+    # ------------------------------------------------------------------ agreement
+
+    def step_agreement(self, code: int, options: CommunicationOptions | None = None) -> np.ndarray:
+        """Every rank's ``code`` (an int64 array, index = rank), with the timeout.
+
+        For input pipelines to agree on end-of-data or errors at each step.
+        """
+        timeout, _ = self._settings(options)
+        error = None
+        if isinstance(code, bool) or not isinstance(code, (int, np.integer)) or not -(2**63) <= int(code) < 2**63:
+            error = TypeError(f"step_agreement: code must be an int64 integer, got {code!r}")
+        codes = self._agree_or_raise(("step_agreement", (), ()), error, timeout, aux=0 if error else int(code))
+        if codes is None:
+            return np.array([int(code)], dtype=np.int64)
+        return codes.copy()
+
+    def barrier(self, options: CommunicationOptions | None = None) -> None:
+        """Wait until every rank is here (with the timeout)."""
+        timeout, _ = self._settings(options)
+        self._check(("barrier", (), ()), timeout)
+
+    def close(self) -> None:
+        """Release buffers, backends and communicators (collective; idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._plans.clear()
+        broken = self._guard is not None and self._guard.broken is not None
+        if self._device_backend is not None:
+            self._device_backend.close()
+        if self._guard is not None:
+            self._guard.close()
+        if broken:
+            return  # peers may be gone: skip collective clean-up (shared windows, Comm.Free)
+        for backend in self._host_backends:
+            backend.close()
+        self.comm.Free()
+
+    def __enter__(self) -> "RankCommunicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RankCommunicator(rank={self.rank}, size={self.size}, options={self.options!r})"

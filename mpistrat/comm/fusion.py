@@ -1,0 +1,158 @@
+"""Fusion: pack many arrays into flat per-dtype buckets and back.
+
+:func:`plan_buckets` groups a call's arrays by dtype (first-appearance
+order) and fills buckets of up to ``pack_bytes`` greedily, keeping the
+arrays' order; an array larger than a bucket gets a bucket of its own (it is
+never split). A plan is computed once per call signature and cached by the
+caller.
+
+:class:`ResultPool` hands out result arrays for a bucket without allocating
+per call: each entry is one flat block plus the views that are the results
+(``block[offset:offset + size].reshape(shape)``), so a reduction can write
+straight into the block. An entry is reused only when ``sys.getrefcount``
+shows that no result view of it is held outside the pool, so results handed
+to a caller are never overwritten by a later call; otherwise a new entry is
+made (kept for reuse up to ``max_entries``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["Bucket", "plan_buckets", "pack", "unpack", "ResultPool"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Arrays ``members`` (indices into the call's list) packed back to back."""
+
+    dtype: np.dtype
+    count: int
+    members: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed bucket."""
+        return self.count * self.dtype.itemsize
+
+
+def plan_buckets(entries: Sequence[tuple[tuple[int, ...], Any]], pack_bytes: int) -> list[Bucket]:
+    """Buckets for arrays described by ``(shape, dtype)``, per dtype, ``pack_bytes`` at most."""
+    if pack_bytes <= 0:
+        raise ValueError(f"pack_bytes must be positive, got {pack_bytes}")
+    groups: dict[np.dtype, list[int]] = {}
+    for i, (_, dtype) in enumerate(entries):
+        groups.setdefault(np.dtype(dtype), []).append(i)
+    buckets: list[Bucket] = []
+    for dtype, indices in groups.items():
+        members: list[int] = []
+        sizes: list[int] = []
+        count = 0
+        for i in indices:
+            shape = tuple(entries[i][0])
+            size = int(np.prod(shape, dtype=np.int64))
+            if members and (count + size) * dtype.itemsize > pack_bytes:
+                buckets.append(_bucket(dtype, members, sizes, entries))
+                members, sizes, count = [], [], 0
+            members.append(i)
+            sizes.append(size)
+            count += size
+        if members:
+            buckets.append(_bucket(dtype, members, sizes, entries))
+    return buckets
+
+
+def _bucket(dtype: np.dtype, members: list[int], sizes: list[int], entries: Sequence) -> Bucket:
+    offsets = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64)]).astype(int).tolist()
+    return Bucket(
+        dtype=dtype,
+        count=int(sum(sizes)),
+        members=tuple(members),
+        offsets=tuple(offsets),
+        sizes=tuple(sizes),
+        shapes=tuple(tuple(entries[i][0]) for i in members),
+    )
+
+
+def pack(arrays: Sequence[Any], bucket: Bucket, out: Any, xp: Any = np) -> None:
+    """Copy the bucket's member arrays, flattened, into the 1-D ``out``."""
+    members = bucket.members
+    if len(members) == 1:
+        xp.copyto(out.reshape(bucket.shapes[0]), arrays[members[0]])
+    elif xp is np:
+        np.concatenate([arrays[i] for i in members], axis=None, out=out)
+    else:
+        xp.concatenate([arrays[i].ravel() for i in members], out=out)
+
+
+def unpack(pieces: Sequence[tuple[int, Any]], bucket: Bucket, outs: Sequence[Any], xp: Any = np) -> None:
+    """Copy reduced ``pieces`` (``(start, 1-D array)`` in order) into ``outs``.
+
+    ``outs`` are the destination arrays, one per bucket member, in member
+    order; they may be non-contiguous (then each is written through a copy).
+    """
+    if len(pieces) == 1 and pieces[0][0] == 0:
+        flat = pieces[0][1]
+        for out, offset, size, shape in zip(outs, bucket.offsets, bucket.sizes, bucket.shapes):
+            xp.copyto(out, flat[offset : offset + size].reshape(shape))
+        return
+    for out, offset, size, shape in zip(outs, bucket.offsets, bucket.sizes, bucket.shapes):
+        lo, hi = offset, offset + size
+        target = out.reshape(-1) if out.flags.c_contiguous else None
+        flat = target if target is not None else xp.empty(size, dtype=bucket.dtype)
+        for start, piece in pieces:
+            end = start + piece.shape[0]
+            if end <= lo or start >= hi:
+                continue
+            a, b = max(lo, start), min(hi, end)
+            flat[a - lo : b - lo] = piece[a - start : b - start]
+        if target is None:
+            xp.copyto(out, flat.reshape(shape))
+
+
+def _max_refcount(views: list, _getrefcount: Any = sys.getrefcount) -> int:
+    most = 0
+    for v in views:
+        n = _getrefcount(v)
+        if n > most:
+            most = n
+    return most
+
+
+# References a pooled view has when only the pool holds it (measured, as it
+# depends on the interpreter).
+_POOLED_REFS = _max_refcount([np.empty(1)])
+
+
+class ResultPool:
+    """Reusable result arrays (views of one flat block) for one bucket."""
+
+    def __init__(self, bucket: Bucket, xp: Any = np, max_entries: int = 4) -> None:
+        self.bucket = bucket
+        self.xp = xp
+        self.max_entries = max_entries
+        self._entries: list[tuple[Any, list]] = []
+
+    def get(self) -> tuple[Any, list]:
+        """A ``(block, views)`` entry whose views nobody outside holds."""
+        for entry in self._entries:
+            if _max_refcount(entry[1]) <= _POOLED_REFS:
+                return entry
+        b = self.bucket
+        block = self.xp.empty(b.count, dtype=b.dtype)
+        views = [block[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
+        entry = (block, views)
+        if len(self._entries) < self.max_entries:
+            self._entries.append(entry)
+        return entry
+
+    def clear(self) -> None:
+        """Forget the pooled entries."""
+        self._entries.clear()

@@ -1,0 +1,146 @@
+"""Collective communication options, as ``tf.distribute.experimental``.
+
+``CommunicationOptions(bytes_per_pack=0, timeout_seconds=None,
+implementation=AUTO)`` has TensorFlow's constructor, validation and
+``merge``. Two mpistrat-specific points:
+
+* ``bytes_per_pack=0`` means "the default bucket size"
+  (:data:`DEFAULT_BYTES_PER_PACK`), see :meth:`CommunicationOptions.pack_bytes`.
+* ``timeout_seconds=None`` never means "wait forever": it falls back to the
+  environment variable ``MPISTRAT_TIMEOUT_SECONDS``, else to
+  :data:`DEFAULT_TIMEOUT_SECONDS`, see :meth:`CommunicationOptions.timeout`.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import os
+
+__all__ = [
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "DEFAULT_BYTES_PER_PACK",
+    "DEFAULT_TIMEOUT_SECONDS",
+    "TIMEOUT_ENV",
+]
+
+DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
+DEFAULT_TIMEOUT_SECONDS = 600.0
+TIMEOUT_ENV = "MPISTRAT_TIMEOUT_SECONDS"
+
+
+class CommunicationImplementation(enum.Enum):
+    """Cross-rank collective implementation.
+
+    AUTO, RING and NCCL as in TensorFlow; RING means plain MPI collectives
+    here, NCCL applies within a rank (several local GPUs) and uses MPI across
+    ranks. MPI forces plain MPI; SHM prefers the node shared-memory backend.
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+    MPI = "MPI"
+    SHM = "SHM"
+
+
+def _validate_timeout(timeout_seconds: object, source: str) -> float | None:
+    if timeout_seconds is None:
+        return None
+    if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)):
+        raise ValueError(f"{source} must be a positive number of seconds or None, got {timeout_seconds!r}")
+    value = float(timeout_seconds)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{source} must be a positive, finite number of seconds, got {timeout_seconds!r}")
+    return value
+
+
+class CommunicationOptions:
+    """Options for cross-rank collectives (TF's ``CommunicationOptions``).
+
+    Args:
+      bytes_per_pack: fusion bucket size in bytes; 0 picks the default.
+      timeout_seconds: how long a collective may wait for the other ranks
+        before raising; None falls back to ``MPISTRAT_TIMEOUT_SECONDS``, else
+        600 s.
+      implementation: a :class:`CommunicationImplementation` or its name.
+    """
+
+    __slots__ = ("bytes_per_pack", "timeout_seconds", "implementation")
+
+    def __init__(
+        self,
+        bytes_per_pack: int = 0,
+        timeout_seconds: float | None = None,
+        implementation: "CommunicationImplementation | str" = CommunicationImplementation.AUTO,
+    ) -> None:
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int):
+            raise ValueError(f"Argument `bytes_per_pack` must be an int >= 0, received {bytes_per_pack!r}.")
+        if bytes_per_pack < 0:
+            raise ValueError(f"Argument `bytes_per_pack` must be >=0, Received {bytes_per_pack}.")
+        if isinstance(implementation, str):
+            try:
+                implementation = CommunicationImplementation(implementation.upper())
+            except ValueError:
+                names = ", ".join(m.name for m in CommunicationImplementation)
+                raise ValueError(
+                    f"Argument `implementation` {implementation!r} is not one of {names}."
+                ) from None
+        if not isinstance(implementation, CommunicationImplementation):
+            raise ValueError(
+                "Argument `implementation` must be instance of "
+                "`mpistrat.experimental.CommunicationImplementation`, "
+                f"received {implementation!r}."
+            )
+        self.bytes_per_pack = bytes_per_pack
+        self.timeout_seconds = _validate_timeout(timeout_seconds, "Argument `timeout_seconds`")
+        self.implementation = implementation
+
+    def merge(self, options: "CommunicationOptions | None") -> "CommunicationOptions":
+        """A copy where the non-default fields of ``options`` take precedence."""
+        merged = copy.copy(self)
+        if options is None:
+            return merged
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(f"Expected CommunicationOptions or None, got {type(options).__name__}")
+        if options.bytes_per_pack != 0:
+            merged.bytes_per_pack = options.bytes_per_pack
+        if options.timeout_seconds is not None:
+            merged.timeout_seconds = options.timeout_seconds
+        if options.implementation != CommunicationImplementation.AUTO:
+            merged.implementation = options.implementation
+        return merged
+
+    def pack_bytes(self) -> int:
+        """The effective bucket size: ``bytes_per_pack`` or the default."""
+        return self.bytes_per_pack or DEFAULT_BYTES_PER_PACK
+
+    def timeout(self) -> float:
+        """The effective timeout in seconds (never infinite)."""
+        if self.timeout_seconds is not None:
+            return self.timeout_seconds
+        text = os.environ.get(TIMEOUT_ENV, "").strip()
+        if text:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}") from None
+            return _validate_timeout(value, TIMEOUT_ENV)  # type: ignore[return-value]
+        return DEFAULT_TIMEOUT_SECONDS
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CommunicationOptions):
+            return NotImplemented
+        return (self.bytes_per_pack, self.timeout_seconds, self.implementation) == (
+            other.bytes_per_pack,
+            other.timeout_seconds,
+            other.implementation,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
+            f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})"
+        )

@@ -1,0 +1,557 @@
+"""Never hang, never corrupt: agreement checks, timeouts, abort-on-exception.
+
+Every cross-rank call of a :class:`~mpistrat.comm.communicator.RankCommunicator`
+first runs :meth:`AgreementGuard.check`: one tiny non-blocking collective
+(``Iallgather`` of two int64 per rank: a fingerprint of the call and one
+auxiliary integer) on a private duplicate of the communicator, polled with
+``Test`` — a short spin, then sleeps that back off to 1 ms, so waiting ranks
+leave the CPU to ranks that compute.
+
+* **Mismatch.** When the fingerprints differ (op, array count, shapes,
+  dtypes, call kind, root...), every rank has seen every fingerprint, so all
+  of them gather the call signatures (everyone is present by then) and raise
+  the same :class:`CollectiveMismatchError`, naming the ranks and what each
+  sent (``Mismatched allreduce shapes in collective #3: rank 0 sent [(4,),
+  float32]; rank 1 sent [(5,), float32]``).
+* **Timeout.** While polling, a rank also answers "where are you?" queries
+  on a second duplicate communicator (matched probes, never blocking).  A
+  rank whose wait passes ``timeout`` queries every peer, waits a short grace
+  period (``MPISTRAT_TIMEOUT_GRACE_SECONDS``, default 0.5 s) for answers,
+  and raises :class:`CollectiveTimeoutError` naming the ranks that never
+  arrived: a rank that is busy in Python, blocked in another MPI call or
+  dead does not answer and is named as such; a rank waiting in a different
+  mpistrat collective says which.  The timed-out rank then tells its peers
+  the collective was abandoned, so a rank arriving late raises too instead
+  of entering the data transfer alone.  After a timeout the guard is broken:
+  later calls raise :class:`CommunicatorBrokenError`.  Nothing in this path
+  blocks: every receive follows a matched probe and every send is
+  non-blocking and small.
+
+The data transfer after a passed check uses blocking MPI calls: everyone has
+arrived, so it can only hang if a rank dies in between (the launcher then
+ends the job).
+
+:func:`install_abort_on_exception` makes an uncaught exception on any rank
+print its traceback (prefixed with the rank) and end the whole job with
+``MPI_Abort``; ``python -m mpistrat.run script.py`` runs a script with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommunicatorBrokenError",
+    "AgreementGuard",
+    "CallKey",
+    "call_key",
+    "describe_call",
+    "fingerprint",
+    "install_abort_on_exception",
+    "abort_hook_installed",
+    "GRACE_ENV",
+    "NO_ABORT_HOOK_ENV",
+]
+
+GRACE_ENV = "MPISTRAT_TIMEOUT_GRACE_SECONDS"
+NO_ABORT_HOOK_ENV = "MPISTRAT_NO_ABORT_HOOK"
+
+_SPIN_SECONDS = 2e-4
+_MAX_SLEEP = 1e-3
+_TAG_QUERY, _TAG_REPLY, _TAG_ABANDON, _TAG_RESOLVED = 1, 2, 3, 4
+
+# A call signature: (kind, params, arrays); params is a tuple of (name, value)
+# pairs, arrays a tuple of (shape, dtype string). Plain tuples: hashable,
+# picklable and with a deterministic repr (the fingerprint hashes the repr).
+CallKey = tuple
+
+
+class CollectiveError(RuntimeError):
+    """Base class of the errors raised by cross-rank collectives."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """The ranks called a collective with different ops, shapes or dtypes.
+
+    ``signatures`` holds what each rank sent (index = rank).
+    """
+
+    def __init__(self, message: str, signatures: Sequence[CallKey] = ()) -> None:
+        super().__init__(message)
+        self.signatures = list(signatures)
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective waited longer than its timeout.
+
+    ``missing_ranks`` are the ranks that never arrived (empty on a rank that
+    arrived late and found the collective abandoned; ``abandoned_by`` names
+    the ranks that gave up then).
+    """
+
+    def __init__(self, message: str, missing_ranks: Sequence[int] = (), abandoned_by: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks)
+        self.abandoned_by = list(abandoned_by)
+
+
+class CommunicatorBrokenError(CollectiveError):
+    """A communicator was used after one of its collectives timed out."""
+
+
+# --------------------------------------------------------------------------- call signatures
+
+
+def call_key(kind: str, params: tuple = (), arrays: tuple = ()) -> CallKey:
+    """Build a call signature ``(kind, params, arrays)``."""
+    return (kind, params, arrays)
+
+
+_FP_CACHE: dict = {}
+_FP_CACHE_MAX = 4096
+
+
+def fingerprint(key: CallKey) -> int:
+    """A 62-bit hash of a call signature, the same on every rank."""
+    h = _FP_CACHE.get(key)
+    if h is None:
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+        h = int.from_bytes(digest, "little", signed=True) >> 2
+        if len(_FP_CACHE) >= _FP_CACHE_MAX:
+            _FP_CACHE.clear()
+        _FP_CACHE[key] = h
+    return h
+
+
+def _dtype_name(code: str) -> str:
+    try:
+        return np.dtype(code).name
+    except TypeError:
+        return str(code)
+
+
+def _format_array(entry: tuple) -> str:
+    shape, dtype = entry
+    return f"{tuple(shape)}, {_dtype_name(dtype)}"
+
+
+def _format_arrays(arrays: tuple, focus: int | None = None, limit: int = 6) -> str:
+    if len(arrays) <= limit:
+        return "[" + "; ".join(_format_array(a) for a in arrays) + "]"
+    if focus is None or focus >= len(arrays):
+        shown = "; ".join(_format_array(a) for a in arrays[:3])
+        return f"{len(arrays)} arrays [{shown}; ...]"
+    return f"{len(arrays)} arrays, #{focus}: [{_format_array(arrays[focus])}]"
+
+
+def describe_call(key: CallKey, focus: int | None = None) -> str:
+    """A short human description of a call signature."""
+    kind, params, arrays = key
+    text = kind
+    if params:
+        text += "(" + ", ".join(f"{k}={v}" for k, v in params) + ")"
+    if arrays:
+        text += " " + _format_arrays(arrays, focus)
+    return text
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _group(values: Sequence[Any]) -> list[tuple[Any, list[int]]]:
+    groups: dict = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return sorted(groups.items(), key=lambda item: item[1][0])
+
+
+def format_mismatch(keys: Sequence[CallKey], seq: int) -> str:
+    """The error message for ranks that sent different call signatures."""
+    kinds = {k[0] for k in keys}
+    where = f"in collective #{seq}"
+    if len(kinds) > 1:
+        parts = [f"{_ranks(r)} called {describe_call(k)}" for k, r in _group(keys)]
+        return f"Mismatched collectives {where}: " + "; ".join(parts)
+    kind = keys[0][0]
+    params = {k[1] for k in keys}
+    if len(params) > 1:
+        parts = [f"{_ranks(r)} sent {', '.join(f'{n}={v}' for n, v in p) or 'no parameters'}" for p, r in _group([k[1] for k in keys])]
+        names = sorted({n for p in params for n, _ in p if len({dict(q).get(n) for q in params}) > 1})
+        what = "/".join(names) if names else "parameters"
+        return f"Mismatched {kind} {what} {where}: " + "; ".join(parts)
+    arrays = [k[2] for k in keys]
+    counts = {len(a) for a in arrays}
+    if len(counts) > 1:
+        parts = [f"{_ranks(r)} sent {n} arrays" for n, r in _group([len(a) for a in arrays])]
+        return f"Mismatched {kind} array counts {where}: " + "; ".join(parts)
+    focus = next(i for i in range(len(arrays[0])) if len({a[i] for a in arrays}) > 1)
+    dtypes_differ = len({a[focus][1] for a in arrays}) > 1
+    shapes_differ = len({a[focus][0] for a in arrays}) > 1
+    what = "shapes and dtypes" if dtypes_differ and shapes_differ else ("dtypes" if dtypes_differ else "shapes")
+    parts = [f"{_ranks(r)} sent {_format_arrays(a, focus)}" for a, r in _group(arrays)]
+    return f"Mismatched {kind} {what} {where}: " + "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- the guard
+
+_LIVE: "weakref.WeakSet[AgreementGuard]" = weakref.WeakSet()
+_GUARD_COUNT = 0
+# What this process is waiting on, for answers to peers' queries:
+# (guard index, seq, description, since) or None.
+_WAITING: tuple | None = None
+
+
+def _grace_seconds() -> float:
+    text = os.environ.get(GRACE_ENV, "").strip()
+    try:
+        return max(0.05, float(text)) if text else 0.5
+    except ValueError:
+        raise ValueError(f"{GRACE_ENV} must be a number of seconds, got {text!r}") from None
+
+
+def _service_all() -> None:
+    for guard in list(_LIVE):
+        guard._answer_queries()
+
+
+class AgreementGuard:
+    """Fingerprint checks with timeouts for one communicator.
+
+    Creating one is collective over ``comm`` (two ``Dup``). Not thread-safe:
+    one thread at a time per guard, like the communicator it guards.
+    """
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        global _GUARD_COUNT
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._ctl = comm.Dup()
+        self._query = comm.Dup()
+        _GUARD_COUNT += 1
+        self.index = _GUARD_COUNT
+        self.seq = 0
+        # Per rank: fingerprint, aux, wall-clock deadline (ms) of its wait.
+        self._send = np.zeros(3, dtype=np.int64)
+        self._recv = np.zeros(3 * self.size, dtype=np.int64)
+        self._recv_aux = self._recv[1::3]
+        self._sends: list = []
+        self._qid = 0
+        self.broken: str | None = None
+        _LIVE.add(self)
+
+    # ---------------------------------------------------------------- public
+
+    def check(self, key: CallKey, timeout: float, aux: int = 0) -> np.ndarray:
+        """Agree on ``key`` with every rank; return each rank's ``aux``.
+
+        The returned int64 array (index = rank) is valid until the next check.
+        Raises :class:`CollectiveMismatchError` on every rank when the keys
+        differ and :class:`CollectiveTimeoutError` after ``timeout`` seconds.
+        """
+        if self.broken is not None:
+            raise CommunicatorBrokenError(self.broken)
+        h = fingerprint(key)
+        self.seq += 1
+        send = self._send
+        send[0] = h
+        send[1] = aux
+        arrival = int(time.time() * 1000)
+        send[2] = arrival + int(timeout * 1000)
+        req = self._ctl.Iallgather(send, self._recv)
+        late = False
+        if not req.Test():
+            late = self._wait(req, key, timeout)
+        values = self._recv.tolist()
+        # A peer whose deadline passed before we arrived has timed out: it
+        # sends a verdict (RESOLVED or ABANDON) that we must wait for.
+        if late or min(values[2::3]) < arrival:
+            self._settle(key, timeout, values, arrival)
+        if values[0::3].count(h) != self.size:
+            keys = self._ctl.allgather(key)
+            raise CollectiveMismatchError(format_mismatch(keys, self.seq), keys)
+        return self._recv_aux
+
+    def close(self) -> None:
+        """Free the guard's communicators (kept when broken: a request is pending)."""
+        _LIVE.discard(self)
+        if self.broken is None:
+            for c in (self._ctl, self._query):
+                if c != MPI.COMM_NULL:
+                    c.Free()
+        self._ctl = self._query = MPI.COMM_NULL
+        if self.broken is None:
+            self.broken = "this communicator was closed"
+
+    # ---------------------------------------------------------------- waiting
+
+    def _wait(self, req: MPI.Request, key: CallKey, timeout: float) -> bool:
+        """Poll until done; True when it completed only after the timeout."""
+        global _WAITING
+        start = time.monotonic()
+        deadline = start + timeout
+        spin_end = start + _SPIN_SECONDS
+        while time.monotonic() < spin_end:
+            if req.Test():
+                return False
+        previous = _WAITING
+        _WAITING = (self.index, self.seq, describe_call(key), start)
+        try:
+            delay = 2e-5
+            while True:
+                if req.Test():
+                    return False
+                _service_all()
+                if self._query.Iprobe(MPI.ANY_SOURCE, _TAG_ABANDON):
+                    self._abandoned_while_waiting(key)
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                time.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, _MAX_SLEEP)
+            self._on_timeout(req, key, timeout, start)
+            return True
+        finally:
+            _WAITING = previous
+
+    def _answer_queries(self) -> None:
+        """Answer pending "where are you?" queries (never blocks)."""
+        if self._query == MPI.COMM_NULL:
+            return
+        status = MPI.Status()
+        while True:
+            msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_QUERY, status)
+            if msg is None:
+                break
+            qid = msg.recv()
+            state = None if _WAITING is None else (*_WAITING[:3], time.monotonic() - _WAITING[3])
+            self._sends.append(self._query.isend((qid, state), dest=status.Get_source(), tag=_TAG_REPLY))
+        self._sends = [r for r in self._sends if not r.Test()]
+
+    def _on_timeout(self, req: MPI.Request, key: CallKey, timeout: float, start: float) -> None:
+        self._qid += 1
+        qid = (self.index, self.seq, self._qid)
+        others = [r for r in range(self.size) if r != self.rank]
+        for r in others:
+            self._sends.append(self._query.isend(qid, dest=r, tag=_TAG_QUERY))
+        replies: dict[int, Any] = {}
+        status = MPI.Status()
+        grace_end = time.monotonic() + _grace_seconds()
+        while len(replies) < len(others) and time.monotonic() < grace_end:
+            if req.Test():
+                return self._resolved(others)  # everybody arrived after all
+            _service_all()
+            while True:
+                msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_REPLY, status)
+                if msg is None:
+                    break
+                rqid, state = msg.recv()
+                if rqid == qid:
+                    replies[status.Get_source()] = state
+            time.sleep(1e-3)
+        if req.Test():
+            return self._resolved(others)
+        present = [self.rank]
+        missing, elsewhere = [], []
+        for r in others:
+            state = replies.get(r)
+            if state is None:
+                missing.append(r)
+            elif state[0] == self.index and state[1] == self.seq:
+                present.append(r)
+            else:
+                missing.append(r)
+                elsewhere.append(
+                    f"rank {r} is waiting in collective #{state[1]} of communicator #{state[0]} "
+                    f"({state[2]}) since {state[3]:.1f} s"
+                )
+        silent = [r for r in missing if replies.get(r) is None]
+        waited = time.monotonic() - start
+        parts = [
+            f"Collective #{self.seq} ({describe_call(key)}) timed out on rank {self.rank} "
+            f"after {waited:.1f} s (timeout_seconds={timeout:g}): {_ranks(missing)} never arrived"
+        ]
+        if silent:
+            parts.append(
+                f"{_ranks(silent)} did not answer: busy outside mpistrat collectives "
+                "(computing, blocked in another MPI call) or dead"
+            )
+        parts.extend(elsewhere)
+        parts.append(f"present: {_ranks(present)}")
+        message = "; ".join(parts) + "."
+        for r in others:
+            self._sends.append(self._query.isend((self.seq, self.rank, timeout), dest=r, tag=_TAG_ABANDON))
+        self._flush_sends()
+        self.broken = f"a collective of this communicator timed out earlier ({message})"
+        raise CollectiveTimeoutError(message, missing_ranks=missing)
+
+    def _abandoned_while_waiting(self, key: CallKey) -> None:
+        status = MPI.Status()
+        givers, their_timeout = [], 0.0
+        while True:
+            msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_ABANDON, status)
+            if msg is None:
+                break
+            payload = msg.recv()
+            if payload[0] == self.seq:
+                givers.append(status.Get_source())
+                their_timeout = payload[2]
+        if givers:
+            message = (
+                f"Collective #{self.seq} ({describe_call(key)}) was abandoned while rank {self.rank} waited: "
+                f"{_ranks(givers)} gave up after timeout_seconds={their_timeout:g}."
+            )
+            self.broken = f"a collective of this communicator timed out earlier ({message})"
+            raise CollectiveTimeoutError(message, abandoned_by=givers)
+
+    def _resolved(self, others: list[int]) -> None:
+        """Tell the peers we queried that the collective completed after all."""
+        for r in others:
+            self._sends.append(self._query.isend(self.seq, dest=r, tag=_TAG_RESOLVED))
+        self._flush_sends()
+
+    def _flush_sends(self) -> None:
+        # Drive progress until our messages are out (some transports send only
+        # while the sender polls), bounded: a dead peer never takes them.
+        flush_end = time.monotonic() + _grace_seconds()
+        while True:
+            self._sends = [r for r in self._sends if not r.Test()]
+            if not self._sends or time.monotonic() >= flush_end:
+                return
+            time.sleep(1e-3)
+
+    def _settle(self, key: CallKey, timeout: float, values: list, arrival: int) -> None:
+        """After a completed check, learn whether a peer gave up on it.
+
+        A peer that timed out on this collective queried us; it then sends a
+        verdict: RESOLVED (it saw the collective complete) or ABANDON (it
+        raised). Wait for the verdicts, bounded; raise on ABANDON or silence.
+        """
+        status = MPI.Status()
+        deadlines = values[2::3]
+        pending = {r for r, d in enumerate(deadlines) if d < arrival and r != self.rank}
+        givers: list[int] = []
+        their_timeout = timeout
+        latest = max([deadlines[r] for r in pending], default=arrival) / 1000.0
+        end = time.monotonic() + max(0.0, latest - time.time()) + 3 * _grace_seconds() + 1.0
+        while True:
+            while True:
+                msg = self._query.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                if msg is None:
+                    break
+                source, tag = status.Get_source(), status.Get_tag()
+                payload = msg.recv()
+                if tag == _TAG_QUERY:
+                    if payload[0] == self.index and payload[1] == self.seq:
+                        pending.add(source)
+                    state = (self.index, self.seq, describe_call(key), 0.0)
+                    self._sends.append(self._query.isend((payload, state), dest=source, tag=_TAG_REPLY))
+                elif tag == _TAG_ABANDON and payload[0] == self.seq:
+                    givers.append(source)
+                    their_timeout = payload[2]
+                    pending.discard(source)
+                elif tag == _TAG_RESOLVED and payload == self.seq:
+                    pending.discard(source)
+                # anything else: stale replies or notices of earlier collectives
+            if not pending or time.monotonic() >= end:
+                break
+            time.sleep(1e-3)
+        self._flush_sends()
+        if givers or pending:
+            parts = []
+            if givers:
+                parts.append(f"{_ranks(givers)} gave up waiting after timeout_seconds={their_timeout:g}")
+            if pending:
+                parts.append(f"{_ranks(sorted(pending))} timed out and sent no verdict")
+            message = (
+                f"Collective #{self.seq} ({describe_call(key)}) was abandoned before rank {self.rank} "
+                f"arrived: " + "; ".join(parts) + "."
+            )
+            self.broken = f"a collective of this communicator timed out earlier ({message})"
+            raise CollectiveTimeoutError(message, abandoned_by=sorted(set(givers) | pending))
+
+
+# --------------------------------------------------------------------------- abort on exception
+
+_HOOK_LOCK = threading.Lock()
+_HOOK_INSTALLED = False
+
+
+def abort_hook_installed() -> bool:
+    """Whether :func:`install_abort_on_exception` has installed its hooks."""
+    return _HOOK_INSTALLED
+
+
+def _world_rank_size() -> tuple[int, int]:
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return 0, 1
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _report_and_abort(exc_type: type, exc: BaseException | None, tb: Any, where: str = "") -> bool:
+    """Print the traceback with a rank prefix and abort; False when size 1."""
+    rank, size = _world_rank_size()
+    if size <= 1:
+        return False
+    lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
+    prefix = f"[rank {rank}] "
+    head = f"{prefix}Uncaught exception{where}; aborting all {size} ranks (MPI_Abort).\n"
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - stdout may be closed
+        pass
+    sys.stderr.write(head + "".join(prefix + line + "\n" for line in lines))
+    sys.stderr.flush()
+    code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+    MPI.COMM_WORLD.Abort(code)
+    return True
+
+
+def install_abort_on_exception() -> bool:
+    """Make an uncaught exception on any rank end the whole MPI job.
+
+    Installs ``sys.excepthook`` and ``threading.excepthook`` hooks that print
+    the traceback, each line prefixed with ``[rank R]``, and call
+    ``MPI.COMM_WORLD.Abort(1)`` when the world has more than one rank (with
+    one rank the previous hooks run). Idempotent. ``MPISTRAT_NO_ABORT_HOOK=1``
+    disables it (returns False).
+    """
+    global _HOOK_INSTALLED
+    if os.environ.get(NO_ABORT_HOOK_ENV, "").strip() == "1":
+        return False
+    with _HOOK_LOCK:
+        if _HOOK_INSTALLED:
+            return True
+        previous_sys = sys.excepthook
+        previous_thread = threading.excepthook
+
+        def excepthook(exc_type, exc, tb):  # noqa: ANN001
+            if not _report_and_abort(exc_type, exc, tb):
+                previous_sys(exc_type, exc, tb)
+
+        def thread_excepthook(args):  # noqa: ANN001
+            if args.exc_type is SystemExit:
+                previous_thread(args)
+                return
+            name = getattr(args.thread, "name", "?")
+            if not _report_and_abort(args.exc_type, args.exc_value, args.exc_traceback, f" in thread {name!r}"):
+                previous_thread(args)
+
+        sys.excepthook = excepthook
+        threading.excepthook = thread_excepthook
+        _HOOK_INSTALLED = True
+        return True
