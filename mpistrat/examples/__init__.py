@@ -1,0 +1,3 @@
+"""Example programs shipped with mpistrat (``python -m mpistrat.examples.train``)."""
+
+__all__: list[str] = []
