@@ -190,6 +190,9 @@ SlurmdParameters=config_overrides
 MailProg=/bin/true
 ReturnToService=2
 KillWait=5
+# sbatch --wait sleeps 2 s, then 4x longer while below MinJobAge/2 (2, 8, 32 s with the
+# default 300): MinJobAge=5 keeps it polling every 2 s. Finished jobs leave scontrol after 5 s.
+MinJobAge=5
 InactiveLimit=0
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool
