@@ -1,0 +1,332 @@
+"""Distributed datasets across MPI ranks (run under mpiexec -n 2 and -n 4).
+
+Every rank checks its own per-replica values against a reference computed here
+from the rules in DESIGN.md / mpistrat.data.splitting, and the ranks check
+together (allgather) that the data is covered exactly once and that every rank
+stopped at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mpistrat.data as D
+from mpistrat.data import InputPipelineError, Options
+from mpistrat.data.distribute import DistributedDataset, DistributedDatasetsFromFunction
+from mpistrat.data.experimental import AutoShardPolicy
+from mpistrat.input_options import InputOptions, InputWorkerInfo
+from mpistrat.values import PerReplica
+
+TF_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tfrecord"
+if not TF_DIR.is_dir():
+    TF_DIR = Path("/work/shared/data/tfrecord")
+
+
+class _Adapter:
+    """Stand-in with RankCommunicator's input-pipeline methods, used only if the real one is missing."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+
+    def step_agreement(self, code, options=None):
+        return np.array(self.comm.allgather(int(code)), dtype=np.int64)
+
+    def allgather_object(self, obj, options=None):
+        return self.comm.allgather(obj)
+
+    def broadcast_object(self, obj, root=0):
+        return self.comm.bcast(obj, root=root)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def rank_comm(comm):
+    try:
+        from mpistrat.comm.communicator import RankCommunicator
+    except ImportError:
+        c = _Adapter(comm)
+    else:
+        c = RankCommunicator(comm)
+    yield c
+    c.close()
+
+
+def worker_info(rc, num_local):
+    devices = tuple(f"/cpu:{i}" for i in range(num_local))
+    return InputWorkerInfo(rc.size, rc.rank, devices, rc.size * num_local, rc.rank * num_local, rc)
+
+
+def with_policy(ds, policy):
+    opts = Options()
+    opts.experimental_distribute.auto_shard_policy = policy
+    return ds.with_options(opts)
+
+
+def per_replica(step):
+    return list(step.values) if isinstance(step, PerReplica) else [step]
+
+
+def gather_all(comm, arrays):
+    local = np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0, np.int64)
+    return comm.allgather(local)
+
+
+OPTIONS = [InputOptions(experimental_per_replica_buffer_size=0), InputOptions()]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("num_local", [1, 2])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_data_policy_splits_each_global_batch(comm, rank_comm, num_local, options):
+    W, R = comm.size, num_local
+    N, B, n = W * R, 7, 7 * 3 + 5
+    ds = with_policy(D.Dataset.range(n).batch(B), AutoShardPolicy.DATA)
+    dist = DistributedDataset(ds, worker_info(rank_comm, R), options)
+    assert dist.auto_shard_mode == "DATA"
+    steps = [per_replica(s) for s in dist]
+    batches = [np.arange(n)[i:i + B] for i in range(0, n, B)]
+    assert len(steps) == len(batches)
+    for t, batch in enumerate(batches):
+        parts = np.array_split(batch, N)
+        for r in range(R):
+            assert steps[t][r].tolist() == parts[comm.rank * R + r].tolist()
+            assert steps[t][r].dtype == np.int64
+    everything = np.concatenate(gather_all(comm, [v for s in steps for v in s])).ravel()
+    assert sorted(everything.tolist()) == list(range(n))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_falls_back_to_data_with_one_warning_on_rank_0(comm, rank_comm, caplog):
+    ds = D.Dataset.from_tensor_slices(np.arange(12.0)).batch(4)
+    with caplog.at_level(logging.WARNING, logger="mpistrat.data"):
+        dist = DistributedDataset(ds, worker_info(rank_comm, 1), None)
+        for _ in range(2):  # two epochs: no more warnings
+            assert len(list(dist)) == 3
+    warnings = [r for r in caplog.records if "AUTO sharding policy will apply DATA" in r.getMessage()]
+    assert dist.auto_shard_mode == "DATA"
+    assert len(warnings) == (1 if comm.rank == 0 else 0)
+
+
+def write_npy_shards(comm, root, lengths, feat=3):
+    files = [str(root / f"shard-{k:02d}.npy") for k in range(len(lengths))]
+    if comm.rank == 0:
+        start = 0
+        for f, n in zip(files, lengths):
+            np.save(f, (np.arange(start, start + n, dtype=np.float32)[:, None] * np.ones(feat, np.float32)))
+            start += n
+    comm.Barrier()
+    return files
+
+
+def reference_local_steps(stream, B, W, R, w):
+    """TF's rule: each local batch cut by the rotated array_split sizes, R pieces per step."""
+    steps = []
+    batches = [stream[i:i + B] for i in range(0, len(stream), B)]
+    for k, batch in enumerate(batches):
+        base = [len(p) for p in np.array_split(np.arange(len(batch)), W * R)]
+        sizes = base[w * R:] + base[:w * R]
+        cuts = np.split(batch, np.cumsum(sizes)[:-1])
+        mine = [cuts[s * R:(s + 1) * R] for s in range(W)]
+        if k == len(batches) - 1:
+            while mine and all(len(p) == 0 for p in mine[-1]):
+                mine.pop()
+        steps.extend(mine)
+    return steps
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("num_local", [1, 2])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_file_policy_npy_shards_uneven(comm, rank_comm, mpi_tmp_path, num_local, options):
+    W, R, B = comm.size, num_local, 6
+    lengths = [13 + 5 * k for k in range(2 * W)]  # worker w reads files w and w + W: uneven
+    files = write_npy_shards(comm, mpi_tmp_path, lengths)
+    ds = with_policy(D.NpyDataset(files).batch(B), AutoShardPolicy.FILE)
+    dist = DistributedDataset(ds, worker_info(rank_comm, R), options)
+    assert dist.auto_shard_mode == "FILE"
+    steps = [per_replica(s) for s in dist]
+    mine = np.concatenate([np.load(f) for f in files[comm.rank::W]])
+    expected = reference_local_steps(mine, B, W, R, comm.rank)
+    counts = comm.allgather(len(steps))
+    assert len(set(counts)) == 1  # every rank stopped at the same step
+    longest = max(comm.allgather(len(expected)))
+    assert counts[0] == longest
+    for t, step in enumerate(steps):
+        for r, value in enumerate(step):
+            want = expected[t][r] if t < len(expected) else np.zeros((0, 3), np.float32)
+            assert value.dtype == np.float32 and value.shape[1:] == (3,)
+            assert np.array_equal(value, want), (t, r)
+    rows = np.concatenate(comm.allgather(np.concatenate([v for s in steps for v in s])))
+    assert sorted(rows[:, 0].tolist()) == list(range(sum(lengths)))  # each row exactly once
+
+
+@pytest.mark.mpi(min_size=2)
+def test_file_policy_global_batch_per_step_is_the_global_batch_size(comm, rank_comm, mpi_tmp_path):
+    W, R, B = comm.size, 2, 10
+    files = write_npy_shards(comm, mpi_tmp_path, [40] * W)  # whole batches everywhere
+    dist = DistributedDataset(D.NpyDataset(files).batch(B), worker_info(rank_comm, R), None)
+    assert dist.auto_shard_mode == "FILE"  # AUTO found the files
+    for step in dist:
+        local_rows = sum(len(v) for v in per_replica(step))
+        assert sum(comm.allgather(local_rows)) == B
+
+
+@pytest.mark.mpi(min_size=2)
+def test_file_policy_tensorflow_shards(comm, rank_comm):
+    manifest = json.loads((TF_DIR / "MANIFEST.json").read_text())["files"]
+    names = [f"raw-0000{k}-of-00004.tfrecord" for k in range(4)]
+    files = [str(TF_DIR / n) for n in names]
+    if comm.size > len(files):
+        pytest.skip("more ranks than TensorFlow shards")
+    ds = with_policy(D.TFRecordDataset(files).batch(2), AutoShardPolicy.FILE)
+    steps = [per_replica(s) for s in DistributedDataset(ds, worker_info(rank_comm, 1), None)]
+    got = [r.decode() for s in steps for v in s for r in v.tolist()]
+    want = [r for n in names[comm.rank::comm.size] for r in manifest[n]["records_utf8"]]
+    assert got == want
+    assert len(set(comm.allgather(len(steps)))) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_file_policy_list_files_interleave(comm, rank_comm):
+    ds = D.Dataset.list_files(str(TF_DIR / "raw-0000*-of-00004.tfrecord"), seed=5).interleave(D.TFRecordDataset, cycle_length=2)
+    ds = with_policy(ds.batch(3), AutoShardPolicy.FILE)
+    steps = [per_replica(s) for s in DistributedDataset(ds, worker_info(rank_comm, 1), None)] if comm.size <= 4 else []
+    if comm.size > 4:
+        pytest.skip("more ranks than files")
+    records = [r for s in steps for v in s for r in v.tolist()]
+    everything = sorted(r for rs in comm.allgather(records) for r in rs)
+    manifest = json.loads((TF_DIR / "MANIFEST.json").read_text())["files"]
+    assert everything == sorted(r.encode() for k in range(4) for r in manifest[f"raw-0000{k}-of-00004.tfrecord"]["records_utf8"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_file_policy_fewer_files_than_workers_fails_everywhere(comm, rank_comm):
+    ds = with_policy(D.TFRecordDataset(str(TF_DIR / "raw-gzip.tfrecord"), "GZIP").batch(2), AutoShardPolicy.FILE)
+    with pytest.raises(ValueError, match=f"there are 1 input files but {comm.size} workers"):
+        DistributedDataset(ds, worker_info(rank_comm, 1), None)
+    # AUTO falls back to DATA instead
+    auto = DistributedDataset(D.TFRecordDataset(str(TF_DIR / "raw-gzip.tfrecord"), "GZIP").batch(4), worker_info(rank_comm, 1), None)
+    assert auto.auto_shard_mode == "DATA"
+    got = [r for s in auto for r in per_replica(s)[0].tolist()]
+    everything = sorted(r for rs in comm.allgather(got) for r in rs)
+    assert everything == [f"GZIP-{i}".encode() for i in range(7)]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_off_policy_every_worker_sees_everything(comm, rank_comm):
+    ds = with_policy(D.Dataset.range(20).batch(4), AutoShardPolicy.OFF)
+    dist = DistributedDataset(ds, worker_info(rank_comm, 1), None)
+    assert dist.auto_shard_mode == "OFF"
+    seen = sorted(int(x) for s in dist for v in per_replica(s) for x in v)
+    assert seen == list(range(20))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rank_without_any_data_gets_empty_batches_of_the_right_spec(comm, rank_comm, mpi_tmp_path):
+    lengths = [9] + [0] * (comm.size - 1)
+    files = write_npy_shards(comm, mpi_tmp_path, lengths, feat=2)
+    dist = DistributedDataset(D.NpyDataset(files).batch(2), worker_info(rank_comm, 2), None)
+    steps = [per_replica(s) for s in dist]
+    assert len(set(comm.allgather(len(steps)))) == 1 and len(steps) >= 1
+    if comm.rank != 0:
+        for s in steps:
+            for v in s:
+                assert v.shape == (0, 2) and v.dtype == np.float32
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unseeded_shuffle_under_data_policy_is_consistent_across_ranks(comm, rank_comm):
+    ds = with_policy(D.Dataset.range(40).shuffle(40).batch(8), AutoShardPolicy.DATA)
+    dist = DistributedDataset(ds, worker_info(rank_comm, 1), None)
+    for _ in range(2):
+        mine = [int(x) for s in dist for x in per_replica(s)[0]]
+        everything = sorted(x for xs in comm.allgather(mine) for x in xs)
+        assert everything == list(range(40))
+
+
+def write_tfrecords(comm, root, n_files, n_records):
+    files = [str(root / f"rec-{k}.tfrecord") for k in range(n_files)]
+    if comm.rank == 0:
+        for k, f in enumerate(files):
+            with D.TFRecordWriter(f) as w:
+                for i in range(n_records):
+                    w.write(f"{k}:{i:04d}".encode())
+    comm.Barrier()
+    return files
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("options", OPTIONS)
+def test_corrupt_file_on_one_rank_fails_every_rank(comm, rank_comm, mpi_tmp_path, options):
+    files = write_tfrecords(comm, mpi_tmp_path, comm.size, 20)
+    if comm.rank == 0:
+        data = bytearray(Path(files[1]).read_bytes())
+        data[10 * 22 + 15] ^= 0x40  # record 10 of rank 1's file (records are 12 + 6 + 4 bytes)
+        Path(files[1]).write_bytes(bytes(data))
+    comm.Barrier()
+    ds = with_policy(D.TFRecordDataset(files).batch(4), AutoShardPolicy.FILE)
+    it = iter(DistributedDataset(ds, worker_info(rank_comm, 1), options))
+    got = 0
+    with pytest.raises(InputPipelineError, match=r"failed on rank\(s\) \[1\].*rank 1: corrupted record at byte offset 220 in TFRecord file .*rec-1\.tfrecord"):
+        for _ in it:
+            got += 1
+    # records 0-7 (two local batches, each feeding W steps under FILE) arrived everywhere;
+    # the step that needed record 10 failed on every rank
+    assert got == 2 * comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_missing_file_on_one_rank_fails_every_rank(comm, rank_comm, mpi_tmp_path):
+    files = write_tfrecords(comm, mpi_tmp_path, comm.size, 4)
+    ds = with_policy(D.TFRecordDataset(files).batch(2), AutoShardPolicy.FILE)
+    dist = DistributedDataset(ds, worker_info(rank_comm, 1), None)
+    comm.Barrier()
+    if comm.rank == 0:
+        os.remove(files[comm.size - 1])
+    comm.Barrier()
+    last = comm.size - 1
+    with pytest.raises(InputPipelineError, match=rf"failed on rank\(s\) \[{last}\].*rank {last}: TFRecord file .*rec-{last}\.tfrecord.* not found \(byte offset 0\)"):
+        list(dist)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("num_local", [1, 2])
+def test_datasets_from_function_uneven_shards_end_together(comm, rank_comm, num_local):
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        per_replica_batch = ctx.get_per_replica_batch_size(4 * comm.size * num_local)
+        n = 10 + 7 * ctx.input_pipeline_id  # uneven
+        return D.Dataset.range(1000 * ctx.input_pipeline_id, 1000 * ctx.input_pipeline_id + n).batch(per_replica_batch)
+
+    dist = DistributedDatasetsFromFunction(dataset_fn, worker_info(rank_comm, num_local), None)
+    assert contexts == [(comm.size, comm.rank, comm.size * num_local)]
+    steps = [per_replica(s) for s in dist]
+    assert len(set(comm.allgather(len(steps)))) == 1
+    got = sorted(int(x) for s in steps for v in s for x in v)
+    assert got == list(range(1000 * comm.rank, 1000 * comm.rank + 10 + 7 * comm.rank))
+    assert all(v.dtype == np.int64 for s in steps for v in s)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dataset_fn_failing_on_one_rank_fails_every_rank(comm, rank_comm):
+    def dataset_fn(ctx):
+        if ctx.input_pipeline_id == 1:
+            raise OSError("cannot reach the data on this node")
+        return D.Dataset.range(4).batch(2)
+
+    if comm.rank == 1:
+        with pytest.raises(OSError, match="cannot reach the data"):
+            DistributedDatasetsFromFunction(dataset_fn, worker_info(rank_comm, 1), None)
+    else:
+        with pytest.raises(InputPipelineError, match=r"rank\(s\) \[1\].*cannot reach the data"):
+            DistributedDatasetsFromFunction(dataset_fn, worker_info(rank_comm, 1), None)
