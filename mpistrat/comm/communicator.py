@@ -177,6 +177,8 @@ class RankCommunicator:
                 if inplace and not a.flags.writeable:
                     return (), None, ValueError(f"allreduce(inplace=True): array #{i} is read-only")
                 sig.append((a.shape, a.dtype.str))
+                if kinds is not None:
+                    kinds.append(_HOST)
                 continue
             if kinds is None:
                 kinds = [_HOST] * i

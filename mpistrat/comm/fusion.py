@@ -10,7 +10,8 @@ caller.
 per call: each entry is one flat block plus the views that are the results
 (``block[offset:offset + size].reshape(shape)``), so a reduction can write
 straight into the block. An entry is reused only when ``sys.getrefcount``
-shows that no result view of it is held outside the pool, so results handed
+shows that neither a result view nor anything derived from one (a view
+of a result refers to the block) is held outside the pool, so results handed
 to a caller are never overwritten by a later call; otherwise a new entry is
 made (kept for reuse up to ``max_entries``).
 """
@@ -126,6 +127,10 @@ def _max_refcount(views: list, _getrefcount: Any = sys.getrefcount) -> int:
     return most
 
 
+def _block_refs(entry: list, _getrefcount: Any = sys.getrefcount) -> int:
+    return _getrefcount(entry[0])
+
+
 # References a pooled view has when only the pool holds it (measured, as it
 # depends on the interpreter).
 _POOLED_REFS = _max_refcount([np.empty(1)])
@@ -143,15 +148,18 @@ class ResultPool:
     def get(self) -> tuple[Any, list]:
         """A ``(block, views)`` entry whose views nobody outside holds."""
         for entry in self._entries:
-            if _max_refcount(entry[1]) <= _POOLED_REFS:
-                return entry
+            # Views a caller made of a result refer to the block, not the view.
+            if _max_refcount(entry[1]) <= _POOLED_REFS and _block_refs(entry) <= entry[2]:
+                return entry[0], entry[1]
         b = self.bucket
         block = self.xp.empty(b.count, dtype=b.dtype)
         views = [block[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
-        entry = (block, views)
+        entry = [block, views, 0]
+        del block
+        entry[2] = _block_refs(entry)
         if len(self._entries) < self.max_entries:
             self._entries.append(entry)
-        return entry
+        return entry[0], entry[1]
 
     def clear(self) -> None:
         """Forget the pooled entries."""

@@ -1,0 +1,175 @@
+"""RankCommunicator collectives: correctness at 1, 2 and 4 ranks."""
+
+import numpy as np
+import pytest
+
+from mpistrat.comm.communicator import RankCommunicator, normalize_op
+from mpistrat.comm.options import CommunicationOptions
+
+SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (0,), (1000,), (33, 65)]
+DTYPES = ["float32", "float64", "int32", "int64", "uint8", "int16", "complex64"]
+
+
+@pytest.fixture
+def rc(comm):
+    c = RankCommunicator(comm)
+    yield c
+    c.close()
+
+
+def local_value(rank, shape, dtype, salt=0):
+    rng = np.random.default_rng(1000 * rank + salt)
+    dt = np.dtype(dtype)
+    if dt.kind == "c":
+        return (rng.integers(-5, 6, shape) + 1j * rng.integers(-5, 6, shape)).astype(dt)
+    if dt.kind == "u":
+        return rng.integers(0, 40, shape).astype(dt)
+    return rng.integers(-50, 51, shape).astype(dt)
+
+
+def expected(size, shape, dtype, op, salt=0):
+    values = [local_value(r, shape, dtype, salt) for r in range(size)]
+    if op == "sum":
+        out = values[0].copy()
+        for v in values[1:]:
+            out = (out + v).astype(values[0].dtype)
+        return out
+    return np.minimum.reduce(values) if op == "min" else np.maximum.reduce(values)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["sum", "min", "max"])
+def test_allreduce_shapes_dtypes(rc, op):
+    for dtype in DTYPES:
+        if np.dtype(dtype).kind == "c" and op != "sum":
+            continue
+        arrays = [local_value(rc.rank, s, dtype, i) for i, s in enumerate(SHAPES)]
+        before = [a.copy() for a in arrays]
+        out = rc.allreduce(arrays, op)
+        for i, (o, s) in enumerate(zip(out, SHAPES)):
+            assert o.shape == s and o.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(o, expected(rc.size, s, dtype, op, i))
+        for a, b in zip(arrays, before):  # inputs untouched
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mixed_dtypes_tiny_buckets_and_scalars(rc):
+    specs = [((5,), "float32"), ((2, 2), "int64"), ((3,), "float32"), ((), "float64"), ((9,), "int64"), ((4,), "float32")]
+    arrays = [local_value(rc.rank, s, d, i) for i, (s, d) in enumerate(specs)]
+    for opts in (None, CommunicationOptions(bytes_per_pack=8), CommunicationOptions(bytes_per_pack=1)):
+        out = rc.allreduce(arrays + [rc.rank + 1, 0.5], "sum", opts)
+        for i, (s, d) in enumerate(specs):
+            np.testing.assert_array_equal(out[i], expected(rc.size, s, d, "sum", i))
+            assert out[i].dtype == np.dtype(d)
+        assert out[-2] == rc.size * (rc.size + 1) // 2
+        assert out[-1] == 0.5 * rc.size
+
+
+@pytest.mark.mpi(min_size=1)
+def test_many_buckets_many_arrays(rc):
+    arrays = [np.full((i % 7 + 1,), rc.rank + i, dtype=np.float64) for i in range(200)]
+    out = rc.allreduce(arrays, "max", CommunicationOptions(bytes_per_pack=64))
+    for i, o in enumerate(out):
+        np.testing.assert_array_equal(o, np.full((i % 7 + 1,), rc.size - 1 + i, np.float64))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_inplace_overwrites_and_returns_inputs(rc):
+    a = np.full((4, 3), rc.rank + 1.0, np.float32)
+    b = np.arange(6, dtype=np.int32) * (rc.rank + 1)
+    c = np.asfortranarray(np.ones((3, 2)) * rc.rank)  # non-contiguous in C order: packed
+    out = rc.allreduce([a, b, c], "sum", inplace=True)
+    assert out[0] is a and out[1] is b and out[2] is c
+    n = rc.size
+    np.testing.assert_array_equal(a, np.full((4, 3), n * (n + 1) / 2, np.float32))
+    np.testing.assert_array_equal(b, np.arange(6) * n * (n + 1) // 2)
+    np.testing.assert_array_equal(c, np.ones((3, 2)) * n * (n - 1) / 2)
+    big = np.full(300_000, rc.rank, np.float32)  # single large array: straight to MPI
+    (res,) = rc.allreduce([big], "min", inplace=True)
+    assert res is big and big.max() == 0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_results_not_overwritten_by_later_calls(rc):
+    x = np.full(1000, rc.rank + 1.0)
+    y = [np.full(10, rc.rank + 1.0), np.full(3, 2.0)]
+    first = rc.allreduce([x], "sum")[0]
+    first_list = rc.allreduce(y, "sum")
+    total = rc.size * (rc.size + 1) / 2
+    for _ in range(5):
+        later = rc.allreduce([x * 3], "sum")[0]
+        later_list = rc.allreduce([v * 7 for v in y], "sum")
+        np.testing.assert_array_equal(later, 3 * total)
+        np.testing.assert_array_equal(later_list[0], 7 * total)
+    np.testing.assert_array_equal(first, total)
+    np.testing.assert_array_equal(first_list[0], total)
+    np.testing.assert_array_equal(first_list[1], 2.0 * rc.size)
+    # A dropped result may be recycled, but a view of one pins it.
+    view = rc.allreduce([x], "sum")[0][:10]
+    rc.allreduce([x * 5], "sum")
+    np.testing.assert_array_equal(view, total)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_allgather_uneven(rc, axis):
+    n = rc.rank + 1 if axis == 0 else rc.rank % 2 + 1
+    shape = [2, 3, 2]
+    shape[axis] = n
+    local = np.full(shape, rc.rank, np.int32)
+    out = rc.allgather(local, axis=axis)
+    sizes = [r + 1 if axis == 0 else r % 2 + 1 for r in range(rc.size)]
+    expect = np.concatenate([np.full([*shape[:axis % 3], s, *shape[axis % 3 + 1:]], r, np.int32)
+                             for r, s in enumerate(sizes)], axis=axis)
+    np.testing.assert_array_equal(out, expect)
+    assert out.flags.c_contiguous
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allgather_empty_contribution(rc):
+    local = np.zeros((0, 2)) if rc.rank == 0 else np.ones((1, 2))
+    out = rc.allgather(local)
+    assert out.shape == (rc.size - 1, 2)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_broadcast_from_each_root(rc):
+    for root in range(rc.size):
+        arrays = [np.full((3,), rc.rank, np.float32), np.full((2, 2), rc.rank * 10, np.int64), np.float64(rc.rank)]
+        out = rc.broadcast(arrays, root=root, options=CommunicationOptions(bytes_per_pack=4))
+        np.testing.assert_array_equal(out[0], np.full((3,), root, np.float32))
+        np.testing.assert_array_equal(out[1], np.full((2, 2), root * 10))
+        assert out[2] == root and out[1].dtype == np.int64
+        np.testing.assert_array_equal(arrays[0], rc.rank)  # input untouched
+
+
+@pytest.mark.mpi(min_size=1)
+def test_objects_step_agreement_barrier(rc):
+    assert rc.broadcast_object({"r": rc.rank}, root=rc.size - 1) == {"r": rc.size - 1}
+    assert rc.allgather_object(("x", rc.rank)) == [("x", r) for r in range(rc.size)]
+    codes = rc.step_agreement(rc.rank * 3 - 1)
+    assert codes.dtype == np.int64 and codes.tolist() == [r * 3 - 1 for r in range(rc.size)]
+    rc.barrier()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_shm_and_mpi_implementations_agree(comm):
+    x = [np.arange(300_000, dtype=np.float32) * (comm.rank + 1), np.ones(7, np.int64)]
+    results = []
+    for impl in ("MPI", "SHM", "AUTO"):
+        with RankCommunicator(comm, CommunicationOptions(implementation=impl)) as c:
+            results.append(c.allreduce(x, "sum"))
+    for r in results[1:]:
+        for a, b in zip(r, results[0]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_normalize_op():
+    from mpistrat.values import ReduceOp
+
+    assert normalize_op("SUM") == "sum" and normalize_op(ReduceOp.MAX) == "max"
+    with pytest.raises(ValueError, match="divide"):
+        normalize_op(ReduceOp.MEAN)
+    with pytest.raises(ValueError, match="Unknown"):
+        normalize_op("prod")

@@ -1,0 +1,63 @@
+"""Fusion planning, packing and result pools (serial)."""
+
+import numpy as np
+import pytest
+
+from mpistrat.comm.fusion import ResultPool, pack, plan_buckets, unpack
+
+
+def test_plan_groups_by_dtype_and_respects_pack_bytes():
+    entries = [((4,), "f4"), ((2, 2), "f8"), ((3,), "f4"), ((10,), "f4"), ((1,), "f8")]
+    buckets = plan_buckets(entries, pack_bytes=40)
+    f4 = [b for b in buckets if b.dtype == np.float32]
+    f8 = [b for b in buckets if b.dtype == np.float64]
+    assert [b.members for b in f4] == [(0, 2), (3,)]  # 7 floats fit in 40 bytes, then 10 alone
+    assert [b.members for b in f8] == [(1, 4)]
+    assert f4[0].offsets == (0, 4) and f4[0].count == 7
+    assert all(b.nbytes <= 40 or len(b.members) == 1 for b in buckets)
+    with pytest.raises(ValueError):
+        plan_buckets(entries, 0)
+
+
+def test_pack_unpack_round_trip_with_split_pieces():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(3, 2), (5,), (), (2, 1, 2)]]
+    arrays[0] = np.asfortranarray(arrays[0])
+    (bucket,) = plan_buckets([(a.shape, a.dtype) for a in arrays], 1 << 20)
+    flat = np.empty(bucket.count, np.float32)
+    pack(arrays, bucket, flat)
+    np.testing.assert_array_equal(flat, np.concatenate([a.ravel() for a in arrays]))
+    pieces = [(0, flat[:4].copy()), (4, flat[4:9].copy()), (9, flat[9:].copy())]
+    outs = [np.empty_like(a) for a in arrays]
+    outs[0] = np.zeros((2, 3), np.float32).T  # non-contiguous destination
+    unpack(pieces, bucket, outs)
+    for o, a in zip(outs, arrays):
+        np.testing.assert_array_equal(o, a)
+
+
+def test_result_pool_reuses_only_unreferenced_entries():
+    (bucket,) = plan_buckets([((4,), "f4"), ((2,), "f4")], 1 << 20)
+    pool = ResultPool(bucket, max_entries=2)
+    views1 = pool.get()[1]
+    first = id(views1[0].base)
+    held = views1[1]  # a caller keeps one result
+    del views1
+    views2 = pool.get()[1]
+    assert id(views2[0].base) != first
+    del held
+    assert id(pool.get()[0]) == first  # nobody holds entry 1 any more: reused
+    keep = [pool.get()[1][0] for _ in range(3)]  # all referenced: fresh arrays beyond the pool
+    assert len({id(k) for k in keep}) == 3
+    np.testing.assert_array_equal(keep[0].shape, (4,))
+
+
+def test_result_pool_view_of_result_pins_entry():
+    (bucket,) = plan_buckets([((8,), "f8")], 1 << 20)
+    pool = ResultPool(bucket)
+    views = pool.get()[1]
+    first = id(views[0].base)
+    derived = views[0][2:5]  # its .base is the block, not the result view
+    del views
+    assert id(pool.get()[0]) != first
+    del derived
+    assert id(pool.get()[0]) == first
