@@ -136,3 +136,22 @@ def test_windows_freed_at_exit_before_finalize(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "open 0 freed True finalized False" in out.stdout, out.stdout + out.stderr
+
+
+def test_no_collective_free_after_an_uncaught_exception(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_raise.py"
+    script.write_text(
+        "import atexit, importlib\n"
+        "atexit.register(lambda: print('still open', len(importlib.import_module('mpistrat.comm.shm_window')._OPEN)))\n"
+        "from mpi4py import MPI\n"
+        "from mpistrat.comm.shm_allreduce import ShmAllreduceBackend\n"
+        "b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=0)\n"
+        "b.pack_buffer(10, 'float32')\n"
+        "raise RuntimeError('boom')\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "boom" in out.stderr
+    assert "still open 2" in out.stdout, out.stdout + out.stderr

@@ -65,7 +65,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, make_sync
+from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout
 
 __all__ = ["ShmAllreduceBackend", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "parse_bytes"]
@@ -110,7 +110,7 @@ def _env_bytes(name: str, default: int | None) -> int | None:
 
 def _close_at_exit(ref: "weakref.ref[ShmAllreduceBackend]") -> None:
     backend = ref()
-    if backend is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+    if backend is not None and exiting_cleanly():
         backend.close()
 
 

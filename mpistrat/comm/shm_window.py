@@ -28,7 +28,9 @@ frees the window only when no rank of the node still holds a view; otherwise
 it warns (``ResourceWarning``) and keeps the memory mapped until exit, so a
 stale view reads stale data instead of crashing. Windows still open at
 interpreter exit are freed by an ``atexit`` hook (run before mpi4py finalises
-MPI), in creation order on every rank.
+MPI), in creation order on every rank, unless the interpreter exits on an
+uncaught exception (then the peers may never arrive, and MPI's own teardown
+or abort reclaims the memory).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import atexit
 import gc
 import mmap
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -45,7 +48,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["PAGE_SIZE", "default_spin", "SharedWindow", "NodeSync", "BarrierSync", "CounterSync", "make_sync", "free_all"]
+__all__ = ["PAGE_SIZE", "default_spin", "SharedWindow", "NodeSync", "BarrierSync", "CounterSync", "make_sync", "free_all", "exiting_cleanly"]
 
 PAGE_SIZE = mmap.PAGESIZE
 _CACHE_LINE = 64
@@ -272,9 +275,18 @@ def free_all() -> None:
         w.free()
 
 
+def exiting_cleanly() -> bool:
+    """False when the interpreter exits on an uncaught exception (``sys.last_value`` set).
+
+    Collective frees are skipped then: the peers may never arrive, and a
+    rank stuck in ``Win.Free`` at exit would keep the job from ending.
+    """
+    return MPI.Is_initialized() and not MPI.Is_finalized() and getattr(sys, "last_value", None) is None
+
+
 @atexit.register
 def _free_at_exit() -> None:
-    if MPI.Is_initialized() and not MPI.Is_finalized():
+    if exiting_cleanly():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             free_all()
