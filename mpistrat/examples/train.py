@@ -407,17 +407,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         predictions = model.predict(x)
         test_metrics.add(correct=(predictions == y.astype(predictions.dtype)).sum(), count=x.shape[0])
 
+    def evaluate() -> float:
+        with strategy.scope():
+            test_metrics.reset()
+        for inputs in dist_test:
+            strategy.run(test_step, args=(inputs,))
+        with strategy.scope():
+            test = test_metrics.result()
+        return test["correct"] / max(test["count"], 1.0)
+
     show_bar = is_chief and not args.no_progress and sys.stderr.isatty()
     try:
         from tqdm import tqdm  # noqa: PLC0415
     except ImportError:  # the bar is optional
         tqdm = None
     first_epoch = int(epoch_var.numpy())
-    test_acc = float("nan")
+    if first_epoch >= args.epochs:
+        log(f"already trained {first_epoch} epochs (--epochs {args.epochs}): evaluating only")
+        test_acc = evaluate()
     for epoch in range(first_epoch, args.epochs):
         with strategy.scope():
             train_metrics.reset()
-            test_metrics.reset()
         dist_train = strategy.experimental_distribute_dataset(
             train_dataset(data, batch, args.seed, epoch), input_options)
         bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr,
@@ -434,13 +444,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if bar is not None:
                 bar.close()
         train_seconds = time.perf_counter() - t0
-        for inputs in dist_test:
-            strategy.run(test_step, args=(inputs,))
+        test_acc = evaluate()
         with strategy.scope():
             epoch_var.assign(epoch + 1)
             train = train_metrics.result()
-            test = test_metrics.result()
-        test_acc = test["correct"] / max(test["count"], 1)
         log(f"epoch {epoch + 1}/{args.epochs}  loss {train['loss'] / train['count']:.4f}  "
             f"accuracy {train['correct'] / train['count']:.4f}  test accuracy {test_acc:.4f}  "
             f"{train['count'] / train_seconds:.0f} examples/s")

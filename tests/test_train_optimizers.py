@@ -1,0 +1,132 @@
+"""SGD (momentum, Nesterov) and Adam: update rules against reference loops, replicas, ranks, errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.optimizers import SGD, Adam, get
+
+GRADS = [np.array([0.5, -1.0, 2.0]), np.array([0.1, 0.3, -0.2]), np.array([-1.5, 0.0, 0.7])]
+W0 = np.array([1.0, 2.0, -3.0])
+
+
+def _run(optimizer, grads=GRADS):
+    var = ms.Variable(W0.copy(), dtype="float64", name="w")
+    for g in grads:
+        optimizer.apply_gradients([(g, var)])
+    return var.numpy()
+
+
+def test_sgd_plain():
+    np.testing.assert_allclose(_run(SGD(0.1)), W0 - 0.1 * sum(GRADS))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_matches_reference(nesterov):
+    lr, mu = 0.1, 0.9
+    w, v = W0.copy(), np.zeros(3)
+    for g in GRADS:
+        v = mu * v - lr * g
+        w = w + (mu * v - lr * g if nesterov else v)
+    np.testing.assert_allclose(_run(SGD(lr, momentum=mu, nesterov=nesterov)), w, rtol=1e-14)
+
+
+def test_adam_matches_reference_and_first_step_is_lr_sign():
+    lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-7
+    w, m, v = W0.copy(), np.zeros(3), np.zeros(3)
+    for t, g in enumerate(GRADS, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        w = w - lr * m_hat / (np.sqrt(v_hat) + eps / math.sqrt(1 - b2 ** t))  # Keras: epsilon on sqrt(v), not sqrt(v_hat)
+    opt = Adam(lr, b1, b2, eps)
+    np.testing.assert_allclose(_run(opt), w, rtol=1e-12)
+    assert int(opt.iterations.numpy()) == 3
+    one = _run(Adam(lr), GRADS[:1])
+    np.testing.assert_allclose(one, W0 - lr * np.sign(GRADS[0]), atol=1e-6)
+
+
+def test_slots_and_variables_listing():
+    opt = SGD(0.1, momentum=0.5)
+    var = ms.Variable(W0.copy(), name="w")
+    opt.apply_gradients([(GRADS[0], var)])
+    slot = opt.get_slot(var, "momentum")
+    np.testing.assert_allclose(slot.numpy(), -0.1 * GRADS[0], rtol=1e-6)
+    assert [v.name for v in opt.variables] == ["SGD/iterations", "SGD/w/momentum"]
+    with pytest.raises(KeyError, match="no slot 'm'"):
+        opt.get_slot(var, "m")
+
+
+def test_mirrored_replicas_aggregate_and_stay_identical():
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        var = ms.Variable(W0.copy(), dtype="float64", name="w")
+        opt = Adam(0.01)
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: GRADS[ctx.replica_id_in_sync_group])
+
+    def step(g):
+        opt.apply_gradients([(g, var)])  # sums the replicas' gradients (one all-reduce) by default
+
+    strategy.run(step, args=(per_replica,))
+    strategy.run(step, args=(per_replica,))
+    a, b = (c.numpy() for c in var.values)
+    np.testing.assert_array_equal(a, b)
+    expected = _run(Adam(0.01), [GRADS[0] + GRADS[1]] * 2)
+    np.testing.assert_allclose(a, expected, rtol=1e-12)
+    assert isinstance(opt.get_slot(var, "m"), ms.MirroredVariable)
+    m0, m1 = (c.numpy() for c in opt.get_slot(var, "m").values)
+    np.testing.assert_array_equal(m0, m1)
+    with strategy.scope():
+        assert int(opt.iterations.numpy()) == 2
+        opt.apply_gradients([(GRADS[2], var)])  # cross-replica context: the gradient as given
+    assert int(opt.iterations.numpy()) == 3
+
+
+def test_pre_aggregated_gradients_are_not_summed_again():
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        var = ms.Variable(W0.copy(), dtype="float64")
+        opt = SGD(1.0)
+    strategy.run(lambda: opt.apply_gradients([(np.ones(3), var)], experimental_aggregate_gradients=False))
+    np.testing.assert_allclose(var.numpy(), W0 - 1.0)
+
+
+def test_errors():
+    var = ms.Variable(W0.copy())
+    for bad in (0, -1, float("nan"), "x"):
+        with pytest.raises(ValueError, match="learning_rate"):
+            SGD(bad)
+    with pytest.raises(ValueError, match="momentum"):
+        SGD(0.1, momentum=1.0)
+    with pytest.raises(ValueError, match="beta_1"):
+        Adam(0.1, beta_1=1.0)
+    with pytest.raises(ValueError, match=r"shape \(2,\) does not match variable .* \(3,\)"):
+        SGD(0.1).apply_gradients([(np.ones(2), var)])
+    with pytest.raises(TypeError, match="variable position"):
+        SGD(0.1).apply_gradients([(np.ones(3), np.ones(3))])
+    with pytest.raises(ValueError, match="no gradients"):
+        SGD(0.1).apply_gradients([(None, var)])
+    with pytest.raises(ValueError, match="Unknown optimizer 'rmsprop'"):
+        get("rmsprop", 0.1)
+    with pytest.raises(RuntimeError, match="not built"):
+        SGD(0.1).iterations
+    assert isinstance(get("SGD", 0.1), SGD) and get("sgd", 0.1).momentum == 0.9 and isinstance(get("adam", 0.1), Adam)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_multi_worker_sums_over_ranks(comm):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with strategy.scope():
+        var = ms.Variable(np.zeros(3), dtype="float64", name="w")
+        opt = SGD(0.5, momentum=0.9)
+    strategy.run(lambda: opt.apply_gradients([(np.full(3, rank + 1.0), var)]))
+    total = size * (size + 1) / 2
+    np.testing.assert_allclose(var.numpy(), -0.5 * total)
+    values = comm.allgather(var.numpy())
+    assert all(np.array_equal(v, values[0]) for v in values)
