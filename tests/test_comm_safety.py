@@ -1,0 +1,152 @@
+"""Agreement checks and timeouts: errors on every rank naming the ranks, never a hang."""
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+from mpistrat.comm.communicator import RankCommunicator
+from mpistrat.comm.options import CommunicationOptions
+from mpistrat.comm.safety import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    describe_call,
+    fingerprint,
+    format_mismatch,
+)
+
+
+@pytest.fixture
+def rc(comm):
+    c = RankCommunicator(comm)
+    yield c
+    c.close()
+
+
+def test_fingerprint_is_stable_and_distinguishes():
+    a = ("allreduce", (("op", "sum"),), (((4,), "<f4"),))
+    assert fingerprint(a) == fingerprint(("allreduce", (("op", "sum"),), (((4,), "<f4"),)))
+    assert fingerprint(a) != fingerprint(("allreduce", (("op", "sum"),), (((5,), "<f4"),)))
+    assert -(2**62) <= fingerprint(a) < 2**62
+    assert describe_call(a) == "allreduce(op=sum) [(4,), float32]"
+
+
+def test_format_mismatch_messages():
+    k = lambda op, arrays: ("allreduce", (("op", op),), arrays)  # noqa: E731
+    msg = format_mismatch([k("sum", (((4,), "<f4"),)), k("sum", (((5,), "<f4"),)), k("sum", (((4,), "<f4"),))], 3)
+    assert msg == "Mismatched allreduce shapes in collective #3: ranks 0, 2 sent [(4,), float32]; rank 1 sent [(5,), float32]"
+    msg = format_mismatch([k("sum", (((4,), "<f4"),)), k("max", (((4,), "<f4"),))], 1)
+    assert msg.startswith("Mismatched allreduce op in collective #1: rank 0 sent op=sum; rank 1 sent op=max")
+    many = tuple(((i,), "<f8") for i in range(50))
+    other = many[:20] + (((20,), "<f4"),) + many[21:]
+    msg = format_mismatch([k("sum", many), k("sum", other)], 2)
+    assert "dtypes" in msg and "#20" in msg and "float32" in msg and "float64" in msg
+    msg = format_mismatch([("barrier", (), ()), k("sum", many[:1])], 9)
+    assert msg.startswith("Mismatched collectives in collective #9: rank 0 called barrier; rank 1 called allreduce")
+
+
+def _raises_everywhere(fn, error, *patterns):
+    with pytest.raises(error) as info:
+        fn()
+    text = str(info.value)
+    for p in patterns:
+        assert re.search(p, text), (p, text)
+    return info.value
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_shapes_dtypes_ops_counts(rc):
+    r, last = rc.rank, rc.size - 1
+    shape = (5,) if r == last else (4,)
+    _raises_everywhere(lambda: rc.allreduce([np.zeros(shape, np.float32)], "sum"), CollectiveMismatchError,
+                       rf"Mismatched allreduce shapes", rf"rank {last} sent \[\(5,\), float32\]", r"ranks? 0\b")
+    dtype = np.float64 if r == 0 else np.float32
+    _raises_everywhere(lambda: rc.allreduce([np.zeros(3, dtype)], "sum"), CollectiveMismatchError,
+                       r"Mismatched allreduce dtypes", r"rank 0 sent \[\(3,\), float64\]")
+    op = "max" if r == 0 else "sum"
+    _raises_everywhere(lambda: rc.allreduce([np.zeros(3)], op), CollectiveMismatchError,
+                       r"Mismatched allreduce op", r"rank 0 sent op=max")
+    count = 3 if r == last else 2
+    _raises_everywhere(lambda: rc.allreduce([np.zeros(2)] * count, "sum"), CollectiveMismatchError,
+                       r"array counts", rf"rank {last} sent 3 arrays")
+    # The communicator stays usable after a mismatch.
+    assert rc.allreduce([np.ones(2)], "sum")[0].tolist() == [rc.size] * 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_kinds_roots_and_local_errors(rc):
+    r = rc.rank
+    if r == 0:
+        fn = lambda: rc.broadcast([np.zeros(2)], root=0)  # noqa: E731
+    else:
+        fn = lambda: rc.allreduce([np.zeros(2)], "sum")  # noqa: E731
+    _raises_everywhere(fn, CollectiveMismatchError, r"Mismatched collectives", r"rank 0 called broadcast")
+    _raises_everywhere(lambda: rc.broadcast([np.zeros(2)], root=r), CollectiveMismatchError, r"broadcast root")
+    # A bad input on one rank only: a mismatch naming it, on every rank.
+    item = "oops" if r == 1 else np.zeros(2)
+    _raises_everywhere(lambda: rc.allreduce([item], "sum"), CollectiveMismatchError,
+                       r"rank 1 sent error=TypeError: allreduce: item #0 is a str")
+    # The same bad input everywhere: the local error, on every rank.
+    _raises_everywhere(lambda: rc.allreduce([np.zeros(2, bool)], "sum"), TypeError, r"dtype bool")
+    _raises_everywhere(lambda: rc.allgather(np.zeros((2, 3)), axis=2), ValueError, r"axis 2 is out of range")
+    shape = (2, 3) if r == 0 else (2, 4)
+    _raises_everywhere(lambda: rc.allgather(np.zeros(shape)), CollectiveMismatchError, r"Mismatched allgather shapes")
+    assert rc.allgather_object(r) == list(range(rc.size))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_timeout_names_the_missing_rank(rc):
+    late = 1
+    opts = CommunicationOptions(timeout_seconds=1.0)
+    if rc.rank == late:
+        time.sleep(3.0)  # busy in Python, past the others' timeout and grace period
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        rc.allreduce([np.ones(4, np.float32)], "sum", opts)
+    waited = time.monotonic() - start
+    text = str(info.value)
+    if rc.rank == late:
+        assert info.value.abandoned_by == [r for r in range(rc.size) if r != late]
+        assert "was abandoned before rank 1 arrived" in text
+        assert waited < 5
+    else:
+        assert info.value.missing_ranks == [late]
+        assert "rank 1 never arrived" in text and "did not answer" in text and "timeout_seconds=1" in text
+        assert 1.0 <= waited < 5
+    with pytest.raises(CommunicatorBrokenError, match="timed out earlier"):
+        rc.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_timeout_names_a_rank_waiting_elsewhere(comm):
+    # Rank 1 waits in a different communicator's collective: it answers and says where.
+    a, b = RankCommunicator(comm), RankCommunicator(comm)
+    try:
+        opts = CommunicationOptions(timeout_seconds=1.0)
+        if comm.rank == 1:
+            b.barrier(CommunicationOptions(timeout_seconds=20))  # completes when the others come
+            with pytest.raises(CollectiveTimeoutError, match="abandoned"):
+                a.step_agreement(1, opts)
+        else:
+            with pytest.raises(CollectiveTimeoutError) as info:
+                a.step_agreement(0, opts)
+            text = str(info.value)
+            assert f"rank 1 is waiting in collective #1 of communicator #{b._guard.index} (barrier)" in text
+            assert info.value.missing_ranks == [1]
+            b.barrier()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_step_agreement_respects_timeout_per_call(rc):
+    # The agreement also works when ranks arrive at different times within the timeout.
+    if rc.rank == 0:
+        time.sleep(0.3)
+    codes = rc.step_agreement(rc.rank, CommunicationOptions(timeout_seconds=5))
+    assert codes.tolist() == list(range(rc.size))
