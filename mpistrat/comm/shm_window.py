@@ -2,8 +2,9 @@
 
 ``SharedWindow(node_comm, nbytes)`` allocates one page-aligned segment per
 rank of a node communicator (``MPI.Win.Allocate_shared`` with
-``alloc_shared_noncontig``), pre-faults this rank's segment (the first touch
-of fresh shared pages costs about +60% on the first reduction), opens a
+``alloc_shared_noncontig``), pre-faults it (each rank writes its own segment
+and reads one byte per page of its peers', since the first touch of fresh
+shared pages costs about +60% on the first reduction), opens a
 passive-target epoch with ``Lock_all(MODE_NOCHECK)`` for its whole life, and
 hands out NumPy views of every rank's segment (``Shared_query``).
 
@@ -102,10 +103,14 @@ class SharedWindow:
         self._roots: list[np.ndarray] | None = roots
         self._refs = [weakref.ref(a) for a in roots]
         if prefault:
-            roots[self.rank].fill(0)  # first touch: map the pages now, not in the first reduce
+            roots[self.rank].fill(0)  # first touch: back the pages now, not in the first reduce
         self.win.Sync()
         node_comm.Barrier()
         self.win.Sync()
+        if prefault:
+            for r, root in enumerate(roots):  # and map the peers' pages into this process
+                if r != self.rank:
+                    int(root[::PAGE_SIZE].max())
         _OPEN.append(self)
 
     @property
