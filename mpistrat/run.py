@@ -9,8 +9,8 @@ Usage (as ``python -m mpi4py``)::
 It installs :func:`mpistrat.comm.safety.install_abort_on_exception` (an
 uncaught exception, in the main thread or any other, prints its traceback
 prefixed with ``[rank R]`` and calls ``MPI_Abort``), then runs the program.
-A non-zero ``sys.exit`` on one rank also aborts the job (mpi4py's abort
-status), so the other ranks never wait for it.
+A non-zero ``sys.exit`` on one rank also aborts the job at once, so the
+other ranks never wait for it.
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from mpistrat.comm.safety import install_abort_on_exception  # noqa: PLC0415
 
-    install_abort_on_exception()
+    hooked = install_abort_on_exception()
     try:
         run_command_line(args)
     except SystemExit as exc:
+        if hooked and exc.code not in (None, 0):
+            _abort_on_exit(exc)
         set_abort_status(exc)
         raise
     except KeyboardInterrupt as exc:
@@ -47,6 +49,25 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException:
         set_abort_status(1)  # in case the hook is disabled (MPISTRAT_NO_ABORT_HOOK=1)
         raise
+
+
+def _abort_on_exit(exc: SystemExit) -> None:
+    """A non-zero exit on one rank of several: abort now (before exit handlers
+    that might wait for the other ranks)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return
+    code = exc.code if isinstance(exc.code, int) else 1
+    if not isinstance(exc.code, int):
+        print(exc.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.write(
+        f"[rank {MPI.COMM_WORLD.Get_rank()}] exited with status {code}; aborting all "
+        f"{MPI.COMM_WORLD.Get_size()} ranks (MPI_Abort).\n"
+    )
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""Abort-on-exception: one rank's uncaught exception ends the whole job (subprocess mpiexec)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mpistrat.comm import safety
+
+BOUND_SECONDS = 30
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_"))}
+    env.update(extra)
+    return env
+
+
+def _mpiexec():
+    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return exe if os.path.exists(exe) else shutil.which("mpiexec")
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    import numpy as np
+    from mpistrat.comm.communicator import RankCommunicator
+    c = RankCommunicator()
+    c.barrier()
+    if c.rank == 1:
+        if sys.argv[1] == "thread":
+            t = threading.Thread(target=lambda: 1 / 0, name="worker")
+            t.start(); t.join()
+            time.sleep(60)
+        elif sys.argv[1] == "exit":
+            sys.exit(3)
+        raise ValueError("rank one failed on purpose")
+    c.allreduce([np.ones(3)], "sum")  # the others wait here (600 s default timeout)
+    """
+)
+
+
+def _run(tmp_path, mode, *, runner=("-m", "mpistrat.run"), env=None):
+    if _mpiexec() is None:
+        pytest.skip("no mpiexec")
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [_mpiexec(), "-n", "2", sys.executable, *runner, str(script), mode],
+        capture_output=True, text=True, timeout=BOUND_SECONDS + 30, env=env or _clean_env(),
+    )
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_exception_on_one_rank_aborts_job_with_its_traceback(tmp_path):
+    proc, elapsed = _run(tmp_path, "raise")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert elapsed < BOUND_SECONDS, (elapsed, out)
+    assert "[rank 1] Traceback (most recent call last):" in out, out
+    assert "[rank 1] ValueError: rank one failed on purpose" in out, out
+    assert "aborting all 2 ranks" in out
+
+
+@pytest.mark.timeout(120)
+def test_exception_in_a_thread_aborts_job(tmp_path):
+    proc, elapsed = _run(tmp_path, "thread")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and elapsed < BOUND_SECONDS, (elapsed, out)
+    assert "[rank 1] ZeroDivisionError: division by zero" in out and "in thread 'worker'" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_nonzero_exit_on_one_rank_aborts_job(tmp_path):
+    proc, elapsed = _run(tmp_path, "exit")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and elapsed < BOUND_SECONDS, (elapsed, out)
+    assert "[rank 1] exited with status 3" in out, out
+
+
+def test_hook_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("MPISTRAT_NO_ABORT_HOOK", "1")
+    before = sys.excepthook
+    assert safety.install_abort_on_exception() is False
+    assert sys.excepthook is before
+
+
+def test_run_usage_errors():
+    proc = subprocess.run([sys.executable, "-m", "mpistrat.run"], capture_output=True, text=True,
+                          timeout=60, env=_clean_env())
+    assert proc.returncode == 2 and "usage: python -m mpistrat.run" in proc.stderr
