@@ -1,0 +1,117 @@
+"""CUDA-aware detection and device-buffer paths.
+
+On CPU the CUDA-aware branch is exercised as mpi4py's own tests do: an object
+exposing ``__cuda_array_interface__`` over host memory, with
+``MPISTRAT_CUDA_AWARE=1`` (MPICH then just sees a host pointer). Real CuPy
+tests are marked ``gpu``.
+"""
+
+import numpy as np
+import pytest
+
+from mpistrat.comm import cuda
+from mpistrat.comm.communicator import RankCommunicator
+from mpistrat.comm.options import CommunicationOptions
+
+
+class HostCudaArray:
+    """A host NumPy array dressed as device memory (``__cuda_array_interface__`` v3)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    @property
+    def __cuda_array_interface__(self):
+        return {
+            "shape": self.array.shape,
+            "typestr": self.array.dtype.str,
+            "data": (self.array.ctypes.data, False),
+            "strides": None if self.array.flags.c_contiguous else self.array.strides,
+            "version": 3,
+            "stream": None,
+        }
+
+
+def test_mpi_cuda_support_query_and_override(monkeypatch):
+    monkeypatch.delenv(cuda.CUDA_AWARE_ENV, raising=False)
+    lib = cuda.loaded_mpi_library()
+    assert lib is not None and "libmpi" in lib
+    assert cuda.mpi_cuda_support() in (True, False, None)
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    assert cuda.mpi_cuda_support() is True
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")
+    assert cuda.mpi_cuda_support() is False
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "maybe")
+    with pytest.raises(ValueError, match="MPISTRAT_CUDA_AWARE"):
+        cuda.mpi_cuda_support()
+
+
+def test_device_buffer_detection():
+    h = HostCudaArray(np.zeros(3))
+    assert cuda.is_device_buffer(h) and not cuda.is_cupy_array(h)
+    assert not cuda.is_device_buffer(np.zeros(3))
+    cuda.synchronize_producer(h)  # stream None: nothing to wait for
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cuda_array_interface_allreduce_inplace(comm, monkeypatch):
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    with RankCommunicator(comm) as rc:
+        a = np.full((4, 5), rc.rank + 1.0, np.float32)
+        b = np.arange(7, dtype=np.int64) * (rc.rank + 1)
+        host = np.full(3, rc.rank, np.float64)
+        bufs = [HostCudaArray(a), HostCudaArray(b), host]
+        out = rc.allreduce(bufs, "sum", inplace=True)
+        assert out[0] is bufs[0] and out[1] is bufs[1] and out[2] is host
+        n = rc.size
+        np.testing.assert_array_equal(a, np.full((4, 5), n * (n + 1) / 2))
+        np.testing.assert_array_equal(b, np.arange(7) * n * (n + 1) // 2)
+        np.testing.assert_array_equal(host, np.full(3, n * (n - 1) / 2))
+        with pytest.raises(TypeError, match="inplace=True"):
+            rc.allreduce([HostCudaArray(a)], "sum")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cuda_array_interface_needs_cuda_aware_mpi(comm, monkeypatch):
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")
+    with RankCommunicator(comm) as rc:
+        with pytest.raises(RuntimeError, match="not CUDA-aware"):
+            rc.allreduce([HostCudaArray(np.zeros(2))], "sum", inplace=True)
+
+
+# ----------------------------------------------------------------------------- real GPUs
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("aware", ["1", "0"])
+def test_cupy_allreduce_fused_and_direct(comm, monkeypatch, aware):
+    import cupy
+
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, aware)
+    with RankCommunicator(comm) as rc:
+        assert rc.cuda_aware is (aware == "1")
+        xs = [cupy.full((i + 1, 3), rc.rank + 1, cupy.float32) for i in range(5)] + [cupy.arange(4) * rc.rank]
+        for opts in (None, CommunicationOptions(bytes_per_pack=16)):
+            out = rc.allreduce(xs, "sum", opts)
+            n = rc.size
+            for i in range(5):
+                assert isinstance(out[i], cupy.ndarray)
+                cupy.testing.assert_array_equal(out[i], cupy.full((i + 1, 3), n * (n + 1) / 2, cupy.float32))
+            cupy.testing.assert_array_equal(out[5], cupy.arange(4) * n * (n - 1) // 2)
+        big = cupy.full(1 << 20, rc.rank, cupy.float32)
+        (res,) = rc.allreduce([big], "max", inplace=True)
+        assert res is big and int(big.min()) == rc.size - 1
+        g = rc.allgather(cupy.full((rc.rank + 1, 2), rc.rank, cupy.int32))
+        assert isinstance(g, cupy.ndarray) and g.shape == (rc.size * (rc.size + 1) // 2, 2)
+        (b,) = rc.broadcast([cupy.full(3, rc.rank, cupy.float64)], root=0)
+        cupy.testing.assert_array_equal(b, cupy.zeros(3))
+
+
+@pytest.mark.gpu
+def test_pinned_staging_reuses_buffers():
+    staging = cuda.PinnedStaging()
+    a = staging.get(100, np.float32)
+    b = staging.get(50, np.float32)
+    assert a.ctypes.data == b.ctypes.data  # same pinned memory, no new allocation
+    staging.close()
