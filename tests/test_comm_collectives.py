@@ -155,11 +155,16 @@ def test_objects_step_agreement_barrier(rc):
 
 @pytest.mark.mpi(min_size=1)
 def test_shm_and_mpi_implementations_agree(comm):
-    x = [np.arange(300_000, dtype=np.float32) * (comm.rank + 1), np.ones(7, np.int64)]
+    x = [np.arange(300_000, dtype=np.float32) * (comm.rank + 1), np.ones(7, np.int64),
+         np.ones(1000, np.float32) * comm.rank, np.arange(3, dtype=np.int64)]
     results = []
     for impl in ("MPI", "SHM", "AUTO"):
         with RankCommunicator(comm, CommunicationOptions(implementation=impl)) as c:
-            results.append(c.allreduce(x, "sum"))
+            names = [b.name for b in c._host_backends]
+            assert names[-1] == "mpi" and (impl != "MPI" or names == ["mpi"])
+            for _ in range(3):  # buckets are reused across calls
+                results.append(c.allreduce(x, "sum"))
+            results.append(c.allreduce([a.copy() for a in x], "sum", inplace=True))
     for r in results[1:]:
         for a, b in zip(r, results[0]):
             np.testing.assert_array_equal(a, b)
@@ -173,3 +178,45 @@ def test_normalize_op():
         normalize_op(ReduceOp.MEAN)
     with pytest.raises(ValueError, match="Unknown"):
         normalize_op("prod")
+
+
+class PickleBackend:
+    """A deliberately different backend (pickled lower-case allreduce) to test the selection table."""
+
+    name = "pickle"
+
+    def __init__(self, comm, options):
+        self.comm, self.buf, self.calls = comm, {}, 0
+
+    def enabled(self, nbytes, dtype, op):
+        return op == "sum"
+
+    def pack_buffer(self, count, dtype):
+        self.buf[np.dtype(dtype)] = np.empty(count, dtype)
+        return self.buf[np.dtype(dtype)]
+
+    def allreduce_packed(self, count, dtype, op):
+        self.calls += 1
+        return [(0, self.comm.allreduce(self.buf[np.dtype(dtype)]))]
+
+    def close(self):
+        self.buf.clear()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_backend_table_is_extensible(comm):
+    from mpistrat.comm import backends
+
+    saved = dict(backends.FACTORIES), dict(backends.PREFERENCES)
+    try:
+        backends.register_backend("pickle", PickleBackend, implementations=("RING",))
+        with RankCommunicator(comm, CommunicationOptions(implementation="RING")) as c:
+            assert [b.name for b in c._host_backends] == ["pickle", "mpi"]
+            out = c.allreduce([np.ones(3), np.ones(2) * comm.rank], "sum")
+            assert c._host_backends[0].calls == 1
+            np.testing.assert_array_equal(out[1], np.full(2, comm.size * (comm.size - 1) / 2))
+            out = c.allreduce([np.ones(3), np.ones(2)], "max")  # not enabled for max: plain MPI
+            assert c._host_backends[0].calls == 1 and out[0].tolist() == [1, 1, 1]
+    finally:
+        backends.FACTORIES.clear(); backends.FACTORIES.update(saved[0])
+        backends.PREFERENCES.clear(); backends.PREFERENCES.update(saved[1])

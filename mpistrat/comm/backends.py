@@ -243,7 +243,8 @@ def select_backends(comm: MPI.Comm, options: CommunicationOptions) -> list[Any]:
     """The host backends for ``options.implementation``, in the order to try them.
 
     Collective over ``comm`` (backends may allocate shared resources). Every
-    list ends with the plain MPI backend.
+    list ends with the plain MPI backend (the communicator sends single
+    contiguous arrays straight to it).
     """
     chosen: list[Any] = []
     for name in PREFERENCES.get(options.implementation, ("mpi",)):
@@ -253,6 +254,5 @@ def select_backends(comm: MPI.Comm, options: CommunicationOptions) -> list[Any]:
         backend = factory(comm, options)
         if backend is not None:
             chosen.append(backend)
-    if not any(getattr(b, "name", "") == "mpi" for b in chosen):
-        chosen.append(MpiAllreduceBackend(comm))
-    return chosen
+    plain = [b for b in chosen if getattr(b, "name", "") == "mpi"] or [MpiAllreduceBackend(comm)]
+    return [b for b in chosen if getattr(b, "name", "") != "mpi"] + plain[:1]

@@ -248,7 +248,10 @@ class RankCommunicator:
                 ]
             for b in buckets:
                 if kind == _HOST:
-                    backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
+                    if len(b.members) == 1:
+                        backend = self._host_backends[-1]  # one array: straight to MPI, no packing
+                    else:
+                        backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
                     xp = np
                 else:
                     backend = self._device()
