@@ -24,6 +24,26 @@ Knobs (see ``mpistrat/comm/shm_allreduce.py``): ``MPISTRAT_SHM_MIN_BYTES``
 above 32 MiB set ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296``:
 without it glibc maps, faults and unmaps MPICH's message-sized scratch buffer
 on every call.
+
+Results on the 2-core development VM (PyPI MPICH 5.0.2, 2026-11-22, shared
+with other jobs: load average 5-7 during these runs, so single numbers jump;
+two runs per row, shm/raw per size from 4 KiB to 64 MiB)::
+
+    ranks malloc   4K    16K   64K   256K  1M    4M    16M   64M
+    2     unset    1.47  2.11  2.41  2.94  0.43* 2.22  2.53  4.20
+    2     unset    1.39  1.93  2.24  2.77  3.05  1.00* 3.58  5.38
+    2     set      1.43  1.96  2.17  2.72  5.46  6.58  2.89  3.49
+    2     set      1.37  2.71  3.65  2.86  3.37  3.67  2.03  2.85
+    4     unset    0.75  1.10  1.33  1.77  2.38  2.10  2.99  5.84
+    4     unset    0.68  1.10  1.48  3.50  1.55  2.79  2.82  5.35
+    4     set      0.59  1.10  1.24  1.92  2.34  2.54  3.23  4.10
+    4     set      0.96  1.69  1.64  2.33  1.56  2.13  2.62  4.05
+    4, 2 pretend   0.63  0.91  0.94  1.21  1.62  1.45  1.60  2.02   (hierarchical)
+
+(* one-off slow medians in a run where other jobs took the cores; every
+result was exact.) The start-up calibration picked min_bytes 16 KiB..1 MiB at
+2 ranks and 64 KiB..1 MiB at 4 (once 4 MiB and 16 KiB when the machine was
+busiest), so "auto" took plain MPI at 4 KiB, where raw MPICH wins at 4 ranks.
 """
 
 from __future__ import annotations
