@@ -289,3 +289,19 @@ def test_calibration_runs_once_per_rank_set(monkeypatch):
         assert not off.enabled(1 << 20, np.float32, "sum") and off.min_bytes > off.max_bytes
     finally:
         off.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pretend", [None, 2])
+def test_barrier_sync_matches_mpi(pretend):
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, pretend_nodes=pretend, min_bytes=0, sync="barrier", block_bytes=1 << 12)
+    try:
+        assert b.sync_kind == "barrier"
+        for step, count in enumerate((1, 33, 10007, 70001)):
+            x = _data(count, "int32", comm.rank, seed=step)
+            ref = x.copy()
+            comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.MAX if step % 2 else MPI.SUM)
+            assert np.array_equal(_run(b, x, "max" if step % 2 else "sum"), ref)
+    finally:
+        b.close()
