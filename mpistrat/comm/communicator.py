@@ -37,7 +37,7 @@ from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, m
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
 from .fusion import Bucket, ResultPool, pack, plan_buckets, unpack
 from .options import CommunicationOptions
-from .safety import AgreementGuard, CallKey
+from .safety import AgreementGuard, CallKey, fingerprint
 
 __all__ = ["RankCommunicator", "normalize_op"]
 
@@ -216,8 +216,9 @@ class RankCommunicator:
                 )
         return tuple(sig), (tuple(kinds) if kinds is not None else None), None
 
-    def _plan(self, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[_Step]:
-        cache_key = (sig, kinds, op, pack_bytes)
+    def _plan(self, h: int, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[_Step]:
+        # h, the call's fingerprint, stands for (op, sig): a cheap dictionary key.
+        cache_key = (h, kinds, pack_bytes)
         steps = self._plans.get(cache_key)
         if steps is not None:
             return steps
@@ -287,8 +288,15 @@ class RankCommunicator:
         opname, error = _op_param(op)
         sig, kinds, sig_error = self._signature(arrays, inplace)
         error = error or sig_error
-        self._agree_or_raise(("allreduce", (("op", opname),), sig), error, timeout)
-        steps = self._plan(sig, kinds, opname, pack_bytes)
+        key = ("allreduce", (("op", opname),), sig)
+        if error is not None:
+            self._agree_or_raise(key, error, timeout)
+        h = fingerprint(key)
+        if self._guard is not None:
+            self._guard.check(key, timeout, 0, h)
+        elif self._closed:
+            raise RuntimeError("RankCommunicator used after close()")
+        steps = self._plan(h, sig, kinds, opname, pack_bytes)
         if self.size == 1:
             if inplace:
                 return arrays

@@ -256,16 +256,18 @@ class AgreementGuard:
 
     # ---------------------------------------------------------------- public
 
-    def check(self, key: CallKey, timeout: float, aux: int = 0) -> np.ndarray:
+    def check(self, key: CallKey, timeout: float, aux: int = 0, h: int | None = None) -> np.ndarray:
         """Agree on ``key`` with every rank; return each rank's ``aux``.
 
         The returned int64 array (index = rank) is valid until the next check.
+        ``h`` is ``fingerprint(key)`` when the caller already has it.
         Raises :class:`CollectiveMismatchError` on every rank when the keys
         differ and :class:`CollectiveTimeoutError` after ``timeout`` seconds.
         """
         if self.broken is not None:
             raise CommunicatorBrokenError(self.broken)
-        h = fingerprint(key)
+        if h is None:
+            h = fingerprint(key)
         self.seq += 1
         send = self._send
         send[0] = h
