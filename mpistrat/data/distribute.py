@@ -7,9 +7,12 @@ the strategies return from ``experimental_distribute_dataset`` and
 values: the plain value with one local replica, else ``PerReplica`` in local
 replica order. How batches are split is described in :mod:`.splitting`.
 
-Every step the ranks agree (``communicator.step_agreement``) on a code: 0 this
-rank has data, 1 exhausted, 2 failed, 3 exhausted without ever seeing a batch.
-Iteration ends on every rank at the first step where no rank has data; a
+The ranks agree (``communicator.step_agreement``) on a code per rank: n > 0
+steps this rank holds in memory, 0 exhausted, -1 exhausted without ever having
+seen a batch (it then receives the structure of an empty batch), -2 failed; all
+ranks then run the smallest positive n steps before agreeing again (see
+:class:`DistributedIterator`). Iteration ends on every rank at the first step
+where no rank has data; a
 replica without data meanwhile gets an empty batch (leading dimension 0, same
 trailing shape and dtype). A failure on any rank raises
 :class:`InputPipelineError` on every rank, naming the failing rank(s) and their
@@ -21,6 +24,7 @@ stream per device, synchronised before hand-over) into a bounded queue.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Iterator, List, Optional as _Opt
 
 import numpy as np
@@ -39,7 +43,9 @@ from .splitting import empty_like_template, function_steps, global_steps, local_
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator", "Optional"]
 
-HAVE_DATA, EXHAUSTED, FAILED, EXHAUSTED_NO_TEMPLATE = 0, 1, 2, 3
+EXHAUSTED, EXHAUSTED_NO_TEMPLATE, FAILED = 0, -1, -2  # a positive code: steps held in memory
+AGREEMENT_WINDOW = 64  # most steps agreed at once
+AGREEMENT_BYTES = 32 << 20  # most host bytes read ahead for one agreement (at least one step)
 _TRANSFORMATIONS = frozenset(
     "map filter batch unbatch shuffle repeat take skip shard interleave flat_map prefetch cache zip "
     "enumerate concatenate with_options padded_batch apply window".split()
@@ -96,6 +102,10 @@ def _agree_at_construction(info: InputWorkerInfo, error: _Opt[BaseException], mo
         )
 
 
+def _nbytes(values: List[Any]) -> int:
+    return sum(int(getattr(x, "nbytes", 0)) for v in values if v is not None for x in nest.flatten(v))
+
+
 class _Placer:
     """Copies each replica's values to its device (in the producer thread when prefetching)."""
 
@@ -137,7 +147,20 @@ class _Placer:
 
 
 class DistributedIterator:
-    """One pass over a distributed dataset: ``next``, ``get_next``, ``get_next_as_optional``."""
+    """One pass over a distributed dataset: ``next``, ``get_next``, ``get_next_as_optional``.
+
+    Agreement is amortised without changing its meaning: at an agreement point each
+    rank reports how many steps it already holds in memory, and all ranks then run
+    the smallest positive count of steps without talking. Without the prefetch
+    thread a rank reads up to ``AGREEMENT_WINDOW`` steps (and ``AGREEMENT_BYTES``)
+    ahead on the host and copies each to its devices when handing it out. With it
+    and GPU replicas, a rank holds at most ``experimental_per_replica_buffer_size``
+    steps that the thread has already placed on the GPUs, besides the thread's
+    queue of that many; with CPU replicas (where placement costs nothing) the
+    thread reads ahead on the host within the same window and byte bounds. A rank never promises a
+    step it has not read, so iteration ends, and a read error is raised on every
+    rank, at exactly the step where it would be with one agreement per step.
+    """
 
     def __init__(self, make_steps: Callable[[], Iterator[List[Any]]], info: InputWorkerInfo, options: InputOptions,
                  element_spec: Callable[[], Any]):
@@ -148,46 +171,98 @@ class DistributedIterator:
         self._finished = False
         self._error: _Opt[InputPipelineError] = None
         self._local_done = False
+        self._pending_error: _Opt[BaseException] = None
+        self._ready: collections.deque = collections.deque()
+        self._committed = 0
         placer = _Placer(info.local_devices, options.fetch_to_device)
-
-        def produce() -> Iterator[List[Any]]:
-            return (placer(values) for values in make_steps())
-
+        self._placer = placer
         buffer = options.experimental_per_replica_buffer_size
         self._producer: _Opt[BackgroundProducer] = None
+        self._window = AGREEMENT_WINDOW
         if options.fetch_to_device and buffer > 0:
-            self._producer = BackgroundProducer(produce, buffer, name=f"mpistrat-input-{rank_label().replace(' ', '')}")
+            gpu = any(is_gpu(d) for d in info.local_devices)
+            if gpu:
+                # Device memory is bounded by the buffer: the thread places steps on the GPUs, and
+                # this iterator holds at most `buffer` of them besides the thread's queue.
+                self._window, depth, max_bytes = buffer, buffer, None
+            else:
+                # CPU devices: placement is free, so the thread reads ahead on the host like the
+                # synchronous path (bounded by steps and bytes) and agreement stays amortised.
+                self._window, depth, max_bytes = AGREEMENT_WINDOW, max(buffer, AGREEMENT_WINDOW), AGREEMENT_BYTES
+
+            def produce() -> Iterator[List[Any]]:
+                return (placer(values) for values in make_steps())
+
+            self._producer = BackgroundProducer(produce, depth, name=f"mpistrat-input-{rank_label().replace(' ', '')}",
+                                                max_bytes=max_bytes, size_fn=_nbytes)
             self._source: Iterator = self._producer
         else:
-            self._source = produce()
-        self._placer = placer
+            self._source = make_steps()  # placed on hand-out, so read-ahead stays on the host
 
-    # -- the per-step protocol ---------------------------------------------------------
-    def _local_step(self) -> "tuple[int, Any, _Opt[BaseException]]":
+    # -- the agreement protocol ---------------------------------------------------------
+    def _pull(self, block: bool) -> bool:
+        """Move one step from the source into ``_ready``; False when nothing more (now)."""
         if self._local_done:
-            return (EXHAUSTED if self._template is not None else EXHAUSTED_NO_TEMPLATE), None, None
+            return False
         try:
-            values = next(self._source)
+            if block or self._producer is None:
+                values = next(self._source)
+            else:
+                values = self._producer.get_nowait()
+                if values is None:
+                    return False
         except StopIteration:
             self._local_done = True
-            return (EXHAUSTED if self._template is not None else EXHAUSTED_NO_TEMPLATE), None, None
-        except Exception as exc:  # a read error: every rank must hear of it
+            return False
+        except Exception as exc:  # a read error: reported when the steps before it are used
             self._local_done = True
-            return FAILED, None, exc
+            self._pending_error = exc
+            return False
         if self._template is None:
             for v in values:
                 if v is not None:
                     self._template = template_of(v)
                     break
-        return HAVE_DATA, values, None
+        self._ready.append(values)
+        return True
 
-    def _fail(self, codes: _Opt[np.ndarray], exc: _Opt[BaseException]) -> None:
+    def _fill(self) -> int:
+        """Hold up to AGREEMENT_WINDOW steps (at least one unless done); return the local code."""
+        if not self._ready:
+            self._pull(block=True)
+        nbytes = sum(_nbytes(v) for v in self._ready)
+        while len(self._ready) < self._window and nbytes < AGREEMENT_BYTES and self._pull(block=False):
+            nbytes += _nbytes(self._ready[-1])
+        if self._ready:
+            return len(self._ready)
+        if self._pending_error is not None:
+            return FAILED
+        return EXHAUSTED if self._template is not None else EXHAUSTED_NO_TEMPLATE
+
+    def _agree(self) -> None:
+        code = self._fill()
+        if self._comm is None:
+            codes = np.array([code], dtype=np.int64)
+        else:
+            codes = self._comm.step_agreement(code)
+        if (codes == FAILED).any():
+            self._fail(codes, self._pending_error if code == FAILED else None)
+        if not (codes > 0).any():
+            self._finish()
+            raise StopIteration
+        if (codes == EXHAUSTED_NO_TEMPLATE).any():
+            templates = self._comm.allgather_object(self._template)
+            if self._template is None:
+                self._template = next(t for t in templates if t is not None)
+        self._committed = int(codes[codes > 0].min())
+
+    def _fail(self, codes: np.ndarray, exc: _Opt[BaseException]) -> None:
         if self._comm is None:
             messages = [_failure_message(exc)]
-            failed = [self._info.worker_index]
         else:
             messages = self._comm.allgather_object(None if exc is None else _failure_message(exc))
-            failed = [r for r, c in enumerate(codes.tolist()) if c == FAILED]
+        failed = [r for r, c in enumerate(codes.tolist()) if c == FAILED] if self._comm is not None else [
+            self._info.worker_index]
         self._error = InputPipelineError(
             f"Input pipeline failed on rank(s) {failed}: " + "; ".join(m for m in messages if m is not None)
         )
@@ -199,34 +274,23 @@ class DistributedIterator:
             raise self._error
         if self._finished:
             raise StopIteration
-        code, values, exc = self._local_step()
-        if self._comm is None:
-            if code == FAILED:
-                self._fail(None, exc)
-            if code != HAVE_DATA:
-                self._finish()
-                raise StopIteration
-        else:
-            codes = self._comm.step_agreement(code)
-            if (codes == FAILED).any():
-                self._fail(codes, exc)
-            if not (codes == HAVE_DATA).any():
-                self._finish()
-                raise StopIteration
-            if (codes == EXHAUSTED_NO_TEMPLATE).any():
-                templates = self._comm.allgather_object(self._template)
-                if self._template is None:
-                    self._template = next(t for t in templates if t is not None)
-            if values is None:
-                values = [None] * self._info.num_local_replicas
+        if self._committed == 0:
+            self._agree()
+        self._committed -= 1
+        if self._ready:
+            values = self._ready.popleft()
+            if self._producer is None:
+                values = self._placer(values)
+        else:  # this rank has run out; others still have data this step
+            values = [None] * self._info.num_local_replicas
         return self._assemble(values)
 
     def _assemble(self, values: List[Any]) -> Any:
         if any(v is None for v in values):
             if self._template is None:  # single worker, some replicas never got data
                 self._template = next(template_of(v) for v in values if v is not None)
-            empty = empty_like_template(self._template)
-            values = [v if v is not None else self._placer([empty] * len(values))[i] for i, v in enumerate(values)]
+            empty = self._placer([empty_like_template(self._template)] * len(values))
+            values = [v if v is not None else empty[i] for i, v in enumerate(values)]
         return values[0] if len(values) == 1 else PerReplica(values)
 
     # -- public API ---------------------------------------------------------------------

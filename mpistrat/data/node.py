@@ -54,6 +54,8 @@ def _stack_leaf(values: list, position: int) -> np.ndarray:
 
 def stack_elements(elements: Sequence[Any]) -> Any:
     """Batch a list of elements of the same structure into one element (leaves stacked on axis 0)."""
+    if not nest.is_nested(elements[0]):
+        return _stack_leaf(list(elements), 0)
     flats = [nest.flatten(e) for e in elements]
     n = len(flats[0])
     for i, f in enumerate(flats):

@@ -11,10 +11,10 @@ waits on one at exit.
 from __future__ import annotations
 
 import atexit
-import queue
+import collections
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["BackgroundProducer", "live_producer_threads"]
 
@@ -24,6 +24,58 @@ _live: "weakref.WeakSet[BackgroundProducer]" = weakref.WeakSet()
 _threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
+class _Empty(Exception):
+    pass
+
+
+class _Buffer:
+    """A FIFO bounded by an item count and (optionally) a byte count; one item always fits."""
+
+    def __init__(self, max_items: int, max_bytes: Optional[int], size_fn: Optional[Callable[[Any], int]]):
+        self._cv = threading.Condition()
+        self._items: collections.deque = collections.deque()
+        self._bytes = 0
+        self._max_items, self._max_bytes, self._size_fn = max_items, max_bytes, size_fn
+
+    def put(self, item: Any, stop: threading.Event) -> bool:
+        size = self._size_fn(item) if self._size_fn is not None and not isinstance(item, _Failure) and item is not _END else 0
+        with self._cv:
+            while not stop.is_set() and self._items and (
+                len(self._items) >= self._max_items
+                or (self._max_bytes is not None and self._bytes + size > self._max_bytes)
+            ):
+                self._cv.wait(_POLL)
+            if stop.is_set():
+                return False
+            self._items.append((item, size))
+            self._bytes += size
+            self._cv.notify_all()
+            return True
+
+    def get(self, timeout: Optional[float]) -> Any:
+        with self._cv:
+            if not self._items:
+                if timeout == 0:
+                    raise _Empty
+                self._cv.wait(timeout)
+                if not self._items:
+                    raise _Empty
+            item, size = self._items.popleft()
+            self._bytes -= size
+            self._cv.notify_all()
+            return item
+
+    def empty(self) -> bool:
+        with self._cv:
+            return not self._items
+
+    def clear(self) -> None:
+        with self._cv:
+            self._items.clear()
+            self._bytes = 0
+            self._cv.notify_all()
+
+
 class _Failure:
     __slots__ = ("exc",)
 
@@ -31,17 +83,11 @@ class _Failure:
         self.exc = exc
 
 
-def _run(make_iterator: Callable[[], Iterator], q: "queue.Queue", stop: threading.Event) -> None:
+def _run(make_iterator: Callable[[], Iterator], q: _Buffer, stop: threading.Event) -> None:
     it = None
 
     def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=_POLL)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return q.put(item, stop)
 
     try:
         it = make_iterator()
@@ -63,10 +109,11 @@ def _run(make_iterator: Callable[[], Iterator], q: "queue.Queue", stop: threadin
 class BackgroundProducer:
     """Iterate ``make_iterator()`` in a background thread, at most ``buffer_size`` items ahead."""
 
-    def __init__(self, make_iterator: Callable[[], Iterator], buffer_size: int, name: str = "mpistrat-prefetch"):
+    def __init__(self, make_iterator: Callable[[], Iterator], buffer_size: int, name: str = "mpistrat-prefetch",
+                 max_bytes: Optional[int] = None, size_fn: Optional[Callable[[Any], int]] = None):
         if buffer_size < 1:
             raise ValueError(f"BackgroundProducer needs buffer_size >= 1, got {buffer_size}")
-        self._queue: "queue.Queue" = queue.Queue(maxsize=buffer_size)
+        self._queue = _Buffer(buffer_size, max_bytes, size_fn)
         self._stop = threading.Event()
         self._done = False
         self._thread = threading.Thread(target=_run, args=(make_iterator, self._queue, self._stop), name=name, daemon=True)
@@ -84,10 +131,23 @@ class BackgroundProducer:
             try:
                 item = self._queue.get(timeout=_POLL)
                 break
-            except queue.Empty:
+            except _Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     self._finish()
                     raise RuntimeError("the prefetch thread ended without a result") from None
+        return self._unwrap(item)
+
+    def get_nowait(self) -> Any:
+        """The next item if one is ready, else None; StopIteration / the producer's error as ``next``."""
+        if self._done:
+            raise StopIteration
+        try:
+            item = self._queue.get(timeout=0)
+        except _Empty:
+            return None
+        return self._unwrap(item)
+
+    def _unwrap(self, item: Any) -> Any:
         if item is _END:
             self._finish()
             raise StopIteration
@@ -109,11 +169,7 @@ class BackgroundProducer:
         """Stop the producer thread, drop buffered items and wait for the thread to end."""
         self._done = True
         self._stop.set()
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
+        self._queue.clear()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import itertools
 import os
 import zlib
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -209,6 +210,20 @@ class TFRecordNode(FileSourceNode):
 
     def spec(self) -> Any:
         return TensorSpec((), np.dtype(object))
+
+    def slice_batches(self, batch_size: int, drop_remainder: bool) -> Iterator[Any]:
+        return _record_batches(self.iterate(), batch_size, drop_remainder)
+
+
+def _record_batches(records: Iterator[bytes], batch_size: int, drop_remainder: bool) -> Iterator[np.ndarray]:
+    """Batches of records as object arrays, straight from the reader."""
+    while True:
+        chunk = list(itertools.islice(records, batch_size))
+        if not chunk or (drop_remainder and len(chunk) < batch_size):
+            return
+        out = np.empty(len(chunk), dtype=object)
+        out[:] = chunk
+        yield out
 
 
 def _round_robin(makers: list, cycle: int) -> Iterator[Any]:

@@ -14,7 +14,7 @@ import struct
 import zlib
 from typing import Iterator, Optional, Union
 
-from .crc32c import masked_crc32c
+from .crc32c import crc32c, masked_crc32c
 from .errors import DataLossError, rank_label
 
 __all__ = ["TFRecordOptions", "TFRecordWriter", "tf_record_iterator", "normalize_compression"]
@@ -23,6 +23,7 @@ _HEADER = struct.Struct("<QI")
 _FOOTER = struct.Struct("<I")
 _LEN = struct.Struct("<Q")
 _CHUNK = 1 << 20
+_MASK_DELTA = 0xA282EAD8
 _WBITS = {"": None, "GZIP": 16 + zlib.MAX_WBITS, "ZLIB": zlib.MAX_WBITS}
 
 
@@ -118,6 +119,9 @@ def tf_record_iterator(path: Union[str, os.PathLike], compression_type: Optional
             pos = 0
             return have >= need
 
+        crc = crc32c
+        unpack = _HEADER.unpack_from
+        unpack_footer = _FOOTER.unpack_from
         while True:
             if len(buf) - pos < 12 and not fill(12):
                 if len(buf) - pos == 0:
@@ -126,28 +130,38 @@ def tf_record_iterator(path: Union[str, os.PathLike], compression_type: Optional
                     f"{rank_label()}: truncated record header in TFRecord file {path!r} at byte offset "
                     f"{base + pos}: {len(buf) - pos} of 12 header bytes present"
                 )
-            length, length_crc = _HEADER.unpack_from(buf, pos)
-            if masked_crc32c(buf[pos:pos + 8]) != length_crc:
-                raise DataLossError(
-                    f"{rank_label()}: corrupted record at byte offset {base + pos} in TFRecord file {path!r}: "
-                    "length CRC mismatch"
-                )
+            end = len(buf)
+            # Tight loop over the records wholly inside the buffer (masked CRC inlined).
+            while end - pos >= 12:
+                length, length_crc = unpack(buf, pos)
+                c = crc(buf[pos:pos + 8])
+                if ((((c >> 15) | (c << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
+                    raise DataLossError(
+                        f"{rank_label()}: corrupted record at byte offset {base + pos} in TFRecord file {path!r}: "
+                        "length CRC mismatch"
+                    )
+                start = pos + 12
+                stop = start + length
+                if stop + 4 > end:
+                    break
+                data = buf[start:stop]
+                c = crc(data)
+                if ((((c >> 15) | (c << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF != unpack_footer(buf, stop)[0]:
+                    raise DataLossError(
+                        f"{rank_label()}: corrupted record at byte offset {base + pos} in TFRecord file {path!r}: "
+                        "data CRC mismatch"
+                    )
+                pos = stop + 4
+                yield data
+            if end - pos < 12:
+                continue
+            (length,) = _LEN.unpack_from(buf, pos)
             need = 12 + length + 4
-            if len(buf) - pos < need and not fill(need):
+            if not fill(need):
                 raise DataLossError(
                     f"{rank_label()}: truncated record at byte offset {base + pos} in TFRecord file {path!r}: "
                     f"needs {need} bytes, {len(buf) - pos} present"
                 )
-            start = pos + 12
-            data = buf[start:start + length]
-            (data_crc,) = _FOOTER.unpack_from(buf, start + length)
-            if masked_crc32c(data) != data_crc:
-                raise DataLossError(
-                    f"{rank_label()}: corrupted record at byte offset {base + pos} in TFRecord file {path!r}: "
-                    "data CRC mismatch"
-                )
-            pos += need
-            yield data
 
 
 class TFRecordWriter:
