@@ -167,3 +167,64 @@ def test_data_is_written_once_with_the_documented_layout(tmp_path):
         f.write("{broken")
     with pytest.raises(RuntimeError, match="no valid manifest"):
         T.DigitsData(data.directory)
+
+
+def test_one_fused_all_reduce_per_replica_and_step(data_dir, monkeypatch, capsys):
+    import mpistrat as ms
+
+    calls = []
+    original = ms.ReplicaContext.all_reduce
+
+    def counting(self, reduce_op, value, options=None):
+        calls.append(len(__import__("mpistrat").nest.flatten(value)))
+        return original(self, reduce_op, value, options)
+
+    monkeypatch.setattr(ms.ReplicaContext, "all_reduce", counting)
+    assert T.main(["--epochs", "1", "--strategy", "mirrored", "--devices", "/cpu:0,/cpu:1", "--data-dir", data_dir,
+                   "--hidden", "16", "8", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    steps = int(re.search(r"(\d+) steps/epoch", out).group(1))
+    assert len(calls) == 2 * steps  # one call per replica per step ...
+    assert set(calls) == {3 * 2 + 1}  # ... carrying all 6 gradients and the example count
+
+
+def test_progress_bar_on_a_terminal(data_dir):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    try:
+        proc = subprocess.Popen([sys.executable, TRAIN, "--epochs", "1", "--strategy", "mirrored", "--data-dir",
+                                 data_dir], stdout=subprocess.PIPE, stderr=slave, text=True, env=_env())
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        os.close(master)
+    assert proc.returncode == 0
+    bar = b"".join(chunks).decode(errors="replace")
+    assert "epoch 1/1:" in bar and "/22 [" in bar, bar  # tqdm's bar on the terminal (stderr) ...
+    assert "|" not in out  # ... and never in the log on stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(150)
+def test_gpu_replica_trains_like_cpu(data_dir, tmp_path):
+    for device in ("/cpu:0", "/gpu:0"):
+        _ok(run_train(0, "--epochs", "1", "--dtype", "float64", "--strategy", "mirrored", "--devices", device,
+                      "--data-dir", data_dir, "--checkpoint-dir", str(tmp_path / device.strip("/:").replace(":", "")),
+                      "--no-progress"))
+    cpu, gpu = _arrays(str(tmp_path / "cpu0" / "ckpt-1.npz")), _arrays(str(tmp_path / "gpu0" / "ckpt-1.npz"))
+    for name in cpu:
+        np.testing.assert_allclose(gpu[name], cpu[name], rtol=1e-9, atol=1e-12, err_msg=name)
