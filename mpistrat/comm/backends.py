@@ -42,6 +42,7 @@ __all__ = [
     "register_backend",
     "select_backends",
     "mpi_datatype",
+    "GrowableBuffers",
 ]
 
 MPI_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
@@ -71,14 +72,15 @@ def mpi_datatype(dtype: Any) -> MPI.Datatype:
     return dtlib.from_numpy_dtype(np.dtype(dtype))
 
 
-class _Buffers:
-    """One growable flat buffer per dtype; views of ``count`` items."""
+class GrowableBuffers:
+    """One flat buffer per dtype, grown (doubling) on demand; ``get`` returns views of ``count`` items."""
 
     def __init__(self, empty: Callable[[int, np.dtype], Any]) -> None:
         self._empty = empty
         self._buffers: dict[np.dtype, Any] = {}
 
     def get(self, count: int, dtype: np.dtype) -> Any:
+        """A view of ``count`` items of this dtype's buffer."""
         buf = self._buffers.get(dtype)
         if buf is None or buf.shape[0] < count:
             size = count if buf is None else max(count, 2 * buf.shape[0])
@@ -86,6 +88,7 @@ class _Buffers:
         return buf[:count]
 
     def clear(self) -> None:
+        """Drop the buffers."""
         self._buffers.clear()
 
 
@@ -96,7 +99,7 @@ class MpiAllreduceBackend:
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
-        self._buffers = _Buffers(lambda n, dt: np.empty(n, dtype=dt))
+        self._buffers = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
 
     def enabled(self, nbytes: int, dtype: np.dtype, op: str) -> bool:
         """Always: plain MPI is the fallback for every size, dtype and op."""
@@ -136,7 +139,7 @@ class DeviceMpiAllreduceBackend:
         self.comm = comm
         self.cuda_aware = bool(cuda_aware)
         self.name = "cuda-aware-mpi" if self.cuda_aware else "host-staged-mpi"
-        self._buffers = _Buffers(self._device_empty)
+        self._buffers = GrowableBuffers(self._device_empty)
         self._staging = PinnedStaging()
 
     @staticmethod

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, mpi_datatype, select_backends
+from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, GrowableBuffers, mpi_datatype, select_backends
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
 from .fusion import Bucket, ResultPool, pack, plan_buckets, unpack
 from .options import CommunicationOptions
@@ -45,6 +45,7 @@ _HOST, _CUPY, _CAI = 0, 1, 2
 _KIND_NAMES = {_HOST: "NumPy", _CUPY: "CuPy", _CAI: "__cuda_array_interface__"}
 _SCALARS = (int, float, complex, np.generic)
 _PLAN_CACHE_MAX = 512
+_DTYPE_STR: dict = {}  # dtype -> dtype.str (the attribute builds a new string on every access)
 
 
 def normalize_op(op: Any) -> str:
@@ -130,6 +131,7 @@ class RankCommunicator:
         )
         self._device_backend: DeviceMpiAllreduceBackend | None = None
         self._plans: dict[Any, list[_Step]] = {}
+        self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -176,7 +178,11 @@ class RankCommunicator:
             if type(a) is np.ndarray:
                 if inplace and not a.flags.writeable:
                     return (), None, ValueError(f"allreduce(inplace=True): array #{i} is read-only")
-                sig.append((a.shape, a.dtype.str))
+                dt = a.dtype
+                code = _DTYPE_STR.get(dt)
+                if code is None:
+                    code = _DTYPE_STR[dt] = dt.str
+                sig.append((a.shape, code))
                 if kinds is not None:
                     kinds.append(_HOST)
                 continue
@@ -323,6 +329,11 @@ class RankCommunicator:
             pack(arrays, b, buf, xp)
             if inplace:
                 pieces = backend.allreduce_packed(b.count, b.dtype, opname)
+                if len(pieces) > 1:  # gather the pieces first: one copy each, not one per array
+                    flat = self._scratch.get(b.count, b.dtype)
+                    for start, piece in pieces:
+                        flat[start : start + piece.shape[0]] = piece
+                    pieces = [(0, flat)]
                 unpack(pieces, b, [arrays[i] for i in b.members], xp)
                 continue
             block, views = step.pool.get()
@@ -330,7 +341,9 @@ class RankCommunicator:
             if to is not None:
                 to(b.count, b.dtype, opname, block)
             else:
-                unpack(backend.allreduce_packed(b.count, b.dtype, opname), b, views, xp)
+                # The result views lie in ``block`` laid out as the bucket: copy pieces whole.
+                for start, piece in backend.allreduce_packed(b.count, b.dtype, opname):
+                    block[start : start + piece.shape[0]] = piece
             for i, v in zip(b.members, views):
                 results[i] = v
         return results
