@@ -33,7 +33,7 @@ the caller splits them (``bytes_per_pack``) or uses plain MPI.
 
 Path choice: ``enabled(nbytes, ...)`` is True for ``min_bytes <= nbytes <=
 max_bytes``. ``min_bytes`` is measured at start-up (raw ``Allreduce`` against
-this path at 16 KiB..4 MiB; the smallest size from which this path wins at
+this path at 4 KiB..4 MiB; the smallest size from which this path wins at
 every larger measured size, decided on rank 0 and broadcast), unless given.
 
 Environment knobs (constructor arguments override them):
@@ -82,10 +82,9 @@ _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum on
 _DEFAULT_MAX = 64 << 20
 _DEFAULT_BLOCK = 256 << 10
 _INITIAL = 1 << 20
-# From 16 KiB: below it the two node synchronisations in Python (~10 us) never
-# beat MPICH's small-message all-reduce (~4-7 us at 2 ranks).
-_CALIBRATION_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+_CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _ALIGN = 64  # slice boundaries on cache lines
+_PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
 _MARGIN = 0.9  # the window path must be this much faster to be chosen
 # Calibrated thresholds by (world ranks, layout, sync, max_bytes): one start-up
 # measurement per process for each set of ranks, not one per backend.
@@ -112,6 +111,18 @@ def _close_at_exit(ref: "weakref.ref[ShmAllreduceBackend]") -> None:
     backend = ref()
     if backend is not None and exiting_cleanly():
         backend.close()
+
+
+class _Plan:
+    """Precomputed views of one reduce: the pieces returned, the reduction
+    blocks ``(sources, destination, copy-back or None)``, the cross-node slice."""
+
+    __slots__ = ("pieces", "blocks", "cross")
+
+    def __init__(self, pieces: list, blocks: list, cross: np.ndarray | None) -> None:
+        self.pieces = pieces
+        self.blocks = blocks
+        self.cross = cross
 
 
 class ShmAllreduceBackend:
@@ -164,6 +175,7 @@ class ShmAllreduceBackend:
         self._capacity = 0  # bytes per bucket per rank
         self._views: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         self._tmp: dict[np.dtype, np.ndarray] = {}
+        self._plans: dict[tuple[int, np.dtype, int], _Plan] = {}
         self._bucket = 0
         self._pending: tuple[int, np.dtype] | None = None
         self._closed = False
@@ -203,31 +215,40 @@ class ShmAllreduceBackend:
 
     def allreduce_packed(self, count: int, dtype: np.dtype, op: str) -> list[tuple[int, np.ndarray]]:
         """Reduce what every rank packed; pieces ``(start, view)`` covering ``[0, count)``."""
-        dtype = self._check_dtype(dtype, op)
-        if self._pending != (int(count), dtype):
+        pending = self._pending
+        if pending is None or pending[0] != count or pending[1] != dtype:
             raise RuntimeError(
                 f"ShmAllreduceBackend.allreduce_packed({count}, {dtype}) must follow pack_buffer with the same "
-                f"count and dtype (pending: {self._pending})"
+                f"count and dtype (pending: {pending})"
             )
+        ufunc = _UFUNCS.get(op)
+        if ufunc is None:
+            raise ValueError(f"ShmAllreduceBackend: op must be one of {SUPPORTED_OPS}, got {op!r}")
+        dtype = pending[1]
+        if ufunc is not np.add and dtype in _COMPLEX:
+            raise TypeError(f"ShmAllreduceBackend: dtype {dtype} is not supported for op {op!r}")
         self._pending = None
         if count == 0:
             return []
-        assert self._sync is not None and self.layout is not None
-        views = self._typed(self._bucket, dtype)
-        bounds = self._bounds(count, dtype.itemsize)
-        lr = self.layout.local_rank
-        self._sync.wait()
-        if lr < self.owners:
-            lo, hi = bounds[lr], bounds[lr + 1]
-            if hi > lo:
-                if len(views) > 1:
-                    self._reduce(views, lr, lo, hi, _UFUNCS[op])
-                if self.layout.num_nodes > 1:
-                    req = self.layout.cross_comm.Iallreduce(MPI.IN_PLACE, views[lr][lo:hi], op=_MPI_OPS[op])
-                    self._wait(req)
-        self._sync.wait()
+        key = (self._bucket, dtype, count)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(key)
+        sync = self._sync
+        assert sync is not None
+        sync.wait()
+        for srcs, dst, back in plan.blocks:
+            ufunc(srcs[0], srcs[1], out=dst)
+            for src in srcs[2:]:
+                ufunc(dst, src, out=dst)
+            if back is not None:
+                back[...] = dst
+        if plan.cross is not None:
+            assert self.layout is not None
+            self._wait(self.layout.cross_comm.Iallreduce(MPI.IN_PLACE, plan.cross, op=_MPI_OPS[op]))
+        sync.wait()
         self._bucket ^= 1
-        return [(bounds[i], views[i][bounds[i] : bounds[i + 1]]) for i in range(self.owners) if bounds[i + 1] > bounds[i]]
+        return list(plan.pieces)
 
     def close(self) -> None:
         """Free the window and communicators (collective over ``comm``; idempotent)."""
@@ -235,6 +256,7 @@ class ShmAllreduceBackend:
             return
         self._closed = True
         self._views.clear()
+        self._plans.clear()
         self._tmp.clear()
         self._pending = None
         if self._sync is not None:
@@ -273,6 +295,7 @@ class ShmAllreduceBackend:
         cap = min(cap, max(self.max_bytes, PAGE_SIZE))
         cap = (max(cap, nbytes) + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
         self._views.clear()
+        self._plans.clear()
         if self._sync is not None:
             self._sync.free()
             self._sync = None
@@ -319,26 +342,41 @@ class ShmAllreduceBackend:
         p = self.owners
         return [min(count, (units * i // p) * q) for i in range(p + 1)]
 
-    def _reduce(self, views: list[np.ndarray], lr: int, lo: int, hi: int, ufunc: np.ufunc) -> None:
-        n = len(views)
-        own = views[lr]
-        if n == 2:
-            ufunc(views[0][lo:hi], views[1][lo:hi], out=own[lo:hi])
-            return
-        step = max(1, self.block_bytes // own.itemsize)
-        tmp = None
-        if lr >= 2:  # own segment is read later in the order: accumulate aside
-            tmp = self._tmp.get(own.dtype)
-            if tmp is None or tmp.size < step:
-                tmp = self._tmp[own.dtype] = np.empty(step, own.dtype)
-        for s in range(lo, hi, step):
-            e = min(s + step, hi)
-            dst = own[s:e] if tmp is None else tmp[: e - s]
-            ufunc(views[0][s:e], views[1][s:e], out=dst)
-            for k in range(2, n):
-                ufunc(dst, views[k][s:e], out=dst)
-            if tmp is not None:
-                own[s:e] = dst
+    def _make_plan(self, key: tuple[int, np.dtype, int]) -> "_Plan":
+        """The slices one reduce of ``count`` items of ``dtype`` in ``bucket`` touches (cached)."""
+        assert self.layout is not None
+        bucket, dtype, count = key
+        views = self._typed(bucket, dtype)
+        bounds = self._bounds(count, dtype.itemsize)
+        lr, n = self.layout.local_rank, len(views)
+        blocks: list[tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray | None]] = []
+        cross = None
+        if lr < self.owners and bounds[lr + 1] > bounds[lr]:
+            lo, hi = bounds[lr], bounds[lr + 1]
+            own = views[lr]
+            if n == 2:  # one pass: nothing is read twice
+                blocks.append(((views[0][lo:hi], views[1][lo:hi]), own[lo:hi], None))
+            elif n > 2:  # cache-sized blocks, summed in local-rank order
+                step = max(1, self.block_bytes // dtype.itemsize)
+                tmp = None
+                if lr >= 2:  # own segment is read later in the order: accumulate aside
+                    tmp = self._tmp.get(dtype)
+                    if tmp is None or tmp.size < step:
+                        tmp = self._tmp[dtype] = np.empty(step, dtype)
+                for s in range(lo, hi, step):
+                    e = min(s + step, hi)
+                    srcs = tuple(v[s:e] for v in views)
+                    if tmp is None:
+                        blocks.append((srcs, own[s:e], None))
+                    else:
+                        blocks.append((srcs, tmp[: e - s], own[s:e]))
+            if self.layout.num_nodes > 1:
+                cross = own[lo:hi]
+        pieces = [(bounds[i], views[i][bounds[i] : bounds[i + 1]]) for i in range(self.owners) if bounds[i + 1] > bounds[i]]
+        if len(self._plans) >= _PLAN_CACHE:
+            self._plans.clear()
+        plan = self._plans[key] = _Plan(pieces, blocks, cross)
+        return plan
 
     def _measured_threshold(self) -> int:
         """The calibrated ``min_bytes``, measured once per rank set and layout (collective)."""
