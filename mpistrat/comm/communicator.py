@@ -385,8 +385,6 @@ class RankCommunicator:
         xp = sys.modules["cupy"] if cupy_array else np
         if cupy_array and not self.cuda_aware:
             return xp.asarray(self._allgatherv(array.get(), axis, counts, np))
-        if cupy_array:
-            synchronize_producer(array)
         return self._allgatherv(array, axis, counts, xp)
 
     def _allgatherv(self, array: Any, axis: int, counts: list[int], xp: Any) -> Any:
@@ -396,6 +394,8 @@ class RankCommunicator:
         out = xp.empty((sum(counts),) + rest, dtype=moved.dtype)
         sizes = [c * row for c in counts]
         displs = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist()
+        if xp is not np:
+            synchronize_producer(moved)  # the transposing copy ran on the stream
         self.comm.Allgatherv(moved, [out, sizes, displs, mpi_datatype(moved.dtype)])
         return xp.ascontiguousarray(xp.moveaxis(out, 0, axis)) if axis else out
 
@@ -435,7 +435,6 @@ class RankCommunicator:
             cupy = sys.modules["cupy"]
             items = [arrays[i] for i in device_index]
             if self.cuda_aware:
-                synchronize_producer(items[0])
                 got = self._bcast_list(items, root, pack_bytes, cupy)
             else:
                 got = [cupy.asarray(h) for h in self._bcast_list([a.get() for a in items], root, pack_bytes, np)]
@@ -449,6 +448,8 @@ class RankCommunicator:
             block = xp.empty(b.count, dtype=b.dtype)
             if self.rank == root:
                 pack(arrays, b, block, xp)
+            if xp is not np:
+                synchronize_producer(block)
             self.comm.Bcast(block, root=root)
             for i, o, n, s in zip(b.members, b.offsets, b.sizes, b.shapes):
                 out[i] = block[o : o + n].reshape(s)
