@@ -85,7 +85,7 @@ _INITIAL = 1 << 20
 _CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
-_MARGIN = 0.9  # the window path must be this much faster to be chosen
+_MARGIN = 0.8  # the window path must take at most this fraction of raw time to be chosen
 # Calibrated thresholds by (world ranks, layout, sync, max_bytes): one start-up
 # measurement per process for each set of ranks, not one per backend.
 _THRESHOLDS: dict[tuple, int] = {}
