@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, GrowableBuffers, mpi_datatype, select_backends
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
-from .fusion import Bucket, ResultPool, pack, plan_buckets, unpack
+from .fusion import Bucket, ResultPool, pack, plan_buckets
 from .options import CommunicationOptions
 from .safety import AgreementGuard, CallKey, fingerprint
 
@@ -92,7 +92,7 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 class _Step:
     """One bucket of an all-reduce plan and how it is reduced."""
 
-    __slots__ = ("bucket", "kind", "backend", "xp", "direct", "pool", "members")
+    __slots__ = ("bucket", "kind", "backend", "xp", "direct", "pool", "members", "_src", "_src_views")
 
     def __init__(self, bucket: Bucket, kind: int, backend: Any, xp: Any) -> None:
         self.bucket = bucket
@@ -102,6 +102,18 @@ class _Step:
         self.members = bucket.members
         self.direct = len(bucket.members) == 1 and hasattr(backend, "allreduce_array")
         self.pool = ResultPool(bucket, xp) if kind != _CAI else None
+        self._src: Any = None
+        self._src_views: list = []
+
+    def source_views(self, flat: Any) -> list:
+        """The members' views of ``flat`` (a reduced bucket starting at offset 0 of
+        its buffer), cached while the buffer stays the same."""
+        base = flat.base if flat.base is not None else flat
+        if base is not self._src:
+            b = self.bucket
+            self._src = base
+            self._src_views = [flat[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
+        return self._src_views
 
 
 class RankCommunicator:
@@ -329,12 +341,15 @@ class RankCommunicator:
             pack(arrays, b, buf, xp)
             if inplace:
                 pieces = backend.allreduce_packed(b.count, b.dtype, opname)
-                if len(pieces) > 1:  # gather the pieces first: one copy each, not one per array
-                    flat = self._scratch.get(b.count, b.dtype)
+                if type(backend) is MpiAllreduceBackend or type(backend) is DeviceMpiAllreduceBackend:
+                    flat = pieces[0][1]  # offset 0 of the backend's own per-dtype buffer
+                else:  # gather the pieces first: one copy each, not one per array
+                    flat = self._scratch.get(b.count, b.dtype) if xp is np else xp.empty(b.count, b.dtype)
                     for start, piece in pieces:
                         flat[start : start + piece.shape[0]] = piece
-                    pieces = [(0, flat)]
-                unpack(pieces, b, [arrays[i] for i in b.members], xp)
+                copyto = xp.copyto
+                for i, src in zip(b.members, step.source_views(flat)):
+                    copyto(arrays[i], src)
                 continue
             block, views = step.pool.get()
             to = getattr(backend, "allreduce_packed_to", None)
