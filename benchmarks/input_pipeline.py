@@ -12,7 +12,10 @@ In one run (it starts ``mpiexec -n K`` itself for each K):
    Target: mpistrat >= 0.9x the plain loop.
 2. A step loop with simulated compute (sleep) on one rank: step time without
    prefetch (about input + compute) and with the default per-device prefetch
-   (target <= 1.15 x max(compute, input)).
+   (target <= 1.15 x max(compute, input)); compute is timed alone, as sleep
+   overshoots its argument.
+
+The machine's load changes these numbers: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ def worker(root: str, global_batch: int, repeats: int, out: str) -> None:
 
 
 # --------------------------------------------------------------------------- prefetch overlap
-def prefetch_overlap(root: str, steps: int) -> list:
+def prefetch_overlap(root: str, steps: int, batch: int, repeats: int) -> list:
     import mpistrat.data as D
     from mpistrat.data.distribute import DistributedDataset
     from mpistrat.input_options import InputOptions, InputWorkerInfo
@@ -192,7 +195,7 @@ def prefetch_overlap(root: str, steps: int) -> list:
     info = InputWorkerInfo.single(("/cpu:0",))
     # a per-record decode (Python work in the input pipeline) makes input cost real
     ds = (D.TFRecordDataset(files(root, ".tfrecord")).map(lambda r: np.frombuffer(r, np.float32))
-          .batch(256).take(steps))
+          .batch(batch).take(steps))
 
     def run(buffer: int, compute: float) -> float:
         it = DistributedDataset(ds, info, InputOptions(experimental_per_replica_buffer_size=buffer))
@@ -204,15 +207,22 @@ def prefetch_overlap(root: str, steps: int) -> list:
             n += 1
         return (time.perf_counter() - t0) / n
 
+    def compute_only(compute: float) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            time.sleep(compute)
+        return (time.perf_counter() - t0) / steps
+
     run(0, 0.0)  # warm the page cache
-    t_input = min(run(0, 0.0) for _ in range(3))
+    t_input = min(run(0, 0.0) for _ in range(repeats))
     rows = []
     for factor in (0.5, 1.0, 2.0):
-        compute = t_input * factor
-        serial = run(0, compute)
-        overlapped = min(run(1, compute) for _ in range(2))
-        rows.append({"input_ms": t_input * 1e3, "compute_ms": compute * 1e3, "no_prefetch_ms": serial * 1e3,
-                     "prefetch_ms": overlapped * 1e3, "ratio": overlapped / max(compute, t_input)})
+        nominal = t_input * factor
+        t_compute = min(compute_only(nominal) for _ in range(repeats))  # sleep overshoots a little
+        serial = min(run(0, nominal) for _ in range(repeats))
+        overlapped = min(run(1, nominal) for _ in range(repeats))
+        rows.append({"input_ms": t_input * 1e3, "compute_ms": t_compute * 1e3, "no_prefetch_ms": serial * 1e3,
+                     "prefetch_ms": overlapped * 1e3, "ratio": overlapped / max(t_compute, t_input)})
     return rows
 
 
@@ -224,7 +234,8 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--rows", type=int, default=32768, help="examples per shard")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prefetch-steps", type=int, default=100)
+    parser.add_argument("--prefetch-steps", type=int, default=60)
+    parser.add_argument("--prefetch-batch", type=int, default=1024)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -257,9 +268,10 @@ def main() -> None:
                     cells.append(f"{lib.mean():>12,.0f} {lib.mean() / plain.mean():>5.2f} ({(lib / plain).min():.2f})")
                 print(f"{kind:9} {k:>5} {plain.mean():>11,.0f} " + " ".join(cells))
         print()
-        print("prefetch (1 rank, sleep as compute, per-record decode as input, per-replica buffer 1):")
+        print(f"prefetch (1 rank, default InputOptions: thread, per-replica buffer 1; input = TFRecord read + per-record "
+              f"decode + batch {args.prefetch_batch}; compute = sleep, measured alone; best of {args.repeats}):")
         print(f"{'input ms':>9} {'compute ms':>11} {'no prefetch ms':>15} {'prefetch ms':>12} {'/ max(c,i)':>11}")
-        for row in prefetch_overlap(root, args.prefetch_steps):
+        for row in prefetch_overlap(root, args.prefetch_steps, args.prefetch_batch, args.repeats):
             print(f"{row['input_ms']:>9.2f} {row['compute_ms']:>11.2f} {row['no_prefetch_ms']:>15.2f} "
                   f"{row['prefetch_ms']:>12.2f} {row['ratio']:>11.2f}")
     finally:

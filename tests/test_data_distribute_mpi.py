@@ -330,3 +330,35 @@ def test_dataset_fn_failing_on_one_rank_fails_every_rank(comm, rank_comm):
     else:
         with pytest.raises(InputPipelineError, match=r"rank\(s\) \[1\].*cannot reach the data"):
             DistributedDatasetsFromFunction(dataset_fn, worker_info(rank_comm, 1), None)
+
+
+class _Counting:
+    """Counts step agreements, forwarding everything to the real communicator."""
+
+    def __init__(self, inner):
+        self._inner, self.agreements = inner, 0
+
+    def step_agreement(self, code, options=None):
+        self.agreements += 1
+        return self._inner.step_agreement(code, options)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_agreement_is_amortised_over_steps_held_in_memory(comm, rank_comm, mpi_tmp_path):
+    counting = _Counting(rank_comm)
+    info = InputWorkerInfo(comm.size, comm.rank, ("/cpu:0",), comm.size, comm.rank, counting)
+    # uneven FILE shards: rank r has 30 + 10 r rows -> 30 + 10 r steps of one row (global batch = W)
+    files = write_npy_shards(comm, mpi_tmp_path, [30 + 10 * r for r in range(comm.size)], feat=1)
+    dist = DistributedDataset(D.NpyDataset(files).batch(comm.size), info,
+                              InputOptions(experimental_per_replica_buffer_size=0))
+    built = counting.agreements
+    steps = [per_replica(s) for s in dist]
+    longest = 30 + 10 * (comm.size - 1)
+    assert len(steps) == longest
+    assert sum(len(v) for s in steps for v in s) == 30 + 10 * comm.rank
+    # one agreement per distinct shard length (each commits up to the next rank's end) and one for the end,
+    # instead of one per step
+    assert counting.agreements - built == comm.size + 1

@@ -153,11 +153,11 @@ class DistributedIterator:
     rank reports how many steps it already holds in memory, and all ranks then run
     the smallest positive count of steps without talking. Without the prefetch
     thread a rank reads up to ``AGREEMENT_WINDOW`` steps (and ``AGREEMENT_BYTES``)
-    ahead on the host and copies each to its devices when handing it out. With it
-    and GPU replicas, a rank holds at most ``experimental_per_replica_buffer_size``
-    steps that the thread has already placed on the GPUs, besides the thread's
-    queue of that many; with CPU replicas (where placement costs nothing) the
-    thread reads ahead on the host within the same window and byte bounds. A rank never promises a
+    ahead on the host and copies each to its devices when handing it out. With it,
+    a rank holds at most ``experimental_per_replica_buffer_size`` steps that the
+    thread has already placed on the devices, besides the thread's queue of that
+    many, so agreement is amortised over at most that many steps: raise the buffer
+    size, or use 0 (no thread), for input-bound multi-rank pipelines. A rank never promises a
     step it has not read, so iteration ends, and a read error is raised on every
     rank, at exactly the step where it would be with one agreement per step.
     """
@@ -180,15 +180,11 @@ class DistributedIterator:
         self._producer: _Opt[BackgroundProducer] = None
         self._window = AGREEMENT_WINDOW
         if options.fetch_to_device and buffer > 0:
-            gpu = any(is_gpu(d) for d in info.local_devices)
-            if gpu:
-                # Device memory is bounded by the buffer: the thread places steps on the GPUs, and
-                # this iterator holds at most `buffer` of them besides the thread's queue.
-                self._window, depth, max_bytes = buffer, buffer, None
-            else:
-                # CPU devices: placement is free, so the thread reads ahead on the host like the
-                # synchronous path (bounded by steps and bytes) and agreement stays amortised.
-                self._window, depth, max_bytes = AGREEMENT_WINDOW, max(buffer, AGREEMENT_WINDOW), AGREEMENT_BYTES
+            # The thread stays at most `buffer` steps ahead (and blocks, releasing the GIL, when it is):
+            # a thread that is always busy would make the training thread wait for the GIL after each
+            # step's compute. So agreement is amortised over at most `buffer` steps here; device memory
+            # holds at most 2 * buffer + 1 steps (held here, queued, being placed).
+            self._window, depth, max_bytes = buffer, buffer, None
 
             def produce() -> Iterator[List[Any]]:
                 return (placer(values) for values in make_steps())
