@@ -247,3 +247,25 @@ def test_missing_file_error_names_file(tmp_path):
     ds = D.TFRecordDataset(str(tmp_path / "gone.tfrecord")).batch(2)
     with pytest.raises(InputPipelineError, match=r"rank 0: TFRecord file .*gone\.tfrecord.* not found \(byte offset 0\)"):
         list(DistributedDataset(ds, TWO, None))
+
+
+def test_interpreter_exits_with_an_unfinished_prefetching_iterator(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import mpistrat.data as D\n"
+        "from mpistrat.data.distribute import DistributedDataset\n"
+        "from mpistrat.input_options import InputOptions, InputWorkerInfo\n"
+        "ds = D.Dataset.range(10).repeat().batch(2).prefetch(2)\n"
+        "it = iter(DistributedDataset(ds, InputWorkerInfo.single(('/cpu:0', '/cpu:1')), InputOptions(experimental_per_replica_buffer_size=4)))\n"
+        "next(it)\n"
+        "keep = it\n"
+        "print('done')\n"
+    )
+    t0 = time.time()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
+    assert time.time() - t0 < 30

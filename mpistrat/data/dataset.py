@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import numpy as np
+
 from .. import nest
 from .node import Node
 from .options import Options
+from .spec import TensorSpec
 from .sources import GeneratorNode, ListFilesNode, NpyNode, RangeNode, TensorSlicesNode, TextLineNode, TFRecordNode
 from .transformations import (
     AUTOTUNE,
@@ -82,8 +85,6 @@ class Dataset:
         if not 1 <= len(args) <= 3:
             raise TypeError(f"Dataset.range takes 1 to 3 positional arguments, got {len(args)}")
         start, stop, step = (0, args[0], 1) if len(args) == 1 else (args[0], args[1], args[2] if len(args) == 3 else 1)
-        import numpy as np  # noqa: PLC0415
-
         return Dataset(RangeNode(start, stop, step, np.int64 if dtype is None else dtype))
 
     @staticmethod
@@ -101,8 +102,6 @@ class Dataset:
                        args: Sequence = (), output_signature: Any = None) -> "Dataset":
         """Elements from ``generator(*args)``, called anew each pass; ``output_signature`` checks and casts."""
         if output_signature is None and output_types is not None:
-            from .spec import TensorSpec  # noqa: PLC0415
-
             shapes = output_shapes if output_shapes is not None else nest.map_structure(lambda _: None, output_types)
             output_signature = nest.map_structure(
                 lambda t, s: TensorSpec(tuple(s) if s is not None else (), t), output_types, shapes

@@ -8,7 +8,6 @@ Decoded values: bytes -> object array of ``bytes``, float -> float32, int64 -> i
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -219,5 +218,3 @@ def parse_single_example(serialized: bytes, features: Mapping[str, Any]) -> "dic
             value = value.reshape(spec.shape)
         out[name] = value
     return out
-
-

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import io
 import itertools
 import os
 import zlib
@@ -140,9 +141,9 @@ def normalize_filenames(filenames: Any, what: str) -> list:
     """A list of str paths from a path, a list of paths, or an array of them."""
     if isinstance(filenames, (str, bytes, os.PathLike)):
         filenames = [filenames]
-    out = []
-    for f in np.asarray(filenames, dtype=object).reshape(-1).tolist() if not isinstance(filenames, list) else filenames:
-        out.append(f.decode("utf-8") if isinstance(f, bytes) else os.fspath(f))
+    if not isinstance(filenames, list):
+        filenames = np.asarray(filenames, dtype=object).reshape(-1).tolist()
+    out = [f.decode("utf-8") if isinstance(f, bytes) else os.fspath(f) for f in filenames]
     if not out:
         raise ValueError(f"{what}: no filenames given")
     return out
@@ -254,8 +255,6 @@ def _open_text(path: str, compression_type: str):
             return gzip.open(path, "rb")
         if compression_type == "ZLIB":
             with open(path, "rb") as f:
-                import io  # noqa: PLC0415
-
                 return io.BytesIO(zlib.decompress(f.read()))
         return open(path, "rb")
     except FileNotFoundError:

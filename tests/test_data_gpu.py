@@ -1,0 +1,47 @@
+"""Per-device prefetch onto GPUs (CuPy). Skipped without CUDA devices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mpistrat.data as D
+from mpistrat.data.distribute import DistributedDataset, DistributedDatasetsFromFunction
+from mpistrat.input_options import InputOptions, InputReplicationMode, InputWorkerInfo
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("buffer", [0, 1, 3])
+def test_batches_arrive_on_the_gpu(buffer):
+    import cupy
+
+    ds = D.Dataset.from_tensor_slices((np.arange(40, dtype=np.float32).reshape(20, 2), np.arange(20))).batch(8)
+    steps = list(DistributedDataset(ds, InputWorkerInfo.single(("/gpu:0",)), InputOptions(experimental_per_replica_buffer_size=buffer)))
+    assert len(steps) == 3
+    x, y = steps[0]
+    assert isinstance(x, cupy.ndarray) and x.device.id == 0 and isinstance(y, cupy.ndarray)
+    assert cupy.asnumpy(x).tolist() == np.arange(16, dtype=np.float32).reshape(8, 2).tolist()
+    assert steps[2][0].shape == (4, 2)
+
+
+@pytest.mark.gpu
+def test_fetch_to_device_false_keeps_numpy():
+    ds = D.Dataset.range(8).batch(4)
+    steps = list(DistributedDataset(ds, InputWorkerInfo.single(("/gpu:0",)), InputOptions(experimental_fetch_to_device=False)))
+    assert all(isinstance(s, np.ndarray) for s in steps)
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_two_gpus_each_replica_on_its_device_with_empty_batches():
+    import cupy
+
+    info = InputWorkerInfo.single(("/gpu:0", "/gpu:1"))
+    steps = list(DistributedDataset(D.Dataset.range(5).batch(4), info, None))
+    assert [v.device.id for v in steps[0].values] == [0, 1]
+    last = steps[1].values
+    assert cupy.asnumpy(last[0]).tolist() == [4]
+    assert last[1].shape == (0,) and last[1].device.id == 1 and last[1].dtype == np.int64
+    per_rep = DistributedDatasetsFromFunction(
+        lambda ctx: D.Dataset.range(4).batch(2), info,
+        InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA))
+    assert [v.device.id for v in next(iter(per_rep)).values] == [0, 1]
