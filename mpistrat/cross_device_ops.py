@@ -7,10 +7,15 @@ spans several MPI ranks (``RankCommunicator``), and is then broadcast back to
 the destination devices. All backends share this one code path and differ
 only in their two local primitives, ``_local_reduce`` and
 ``_local_broadcast``.
+
+With ``MPISTRAT_CHECK_NUMERICS=1`` (or ``check_numerics = True`` on the ops
+object) every reduction first checks its inputs for NaN/Inf and raises on
+every rank, naming the replicas that sent them (one small extra collective).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -20,6 +25,7 @@ from mpistrat.values import DistributedValues, Mirrored, ReduceOp
 
 __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "NcclAllReduce", "select_cross_device_ops"]
 
+CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
 _COMM_OPS = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 
 
@@ -80,6 +86,7 @@ class CrossDeviceOps:
     def __init__(self) -> None:
         self._communicator = None
         self._num_replicas_in_sync: int | None = None
+        self.check_numerics = os.environ.get(CHECK_NUMERICS_ENV, "") not in ("", "0")
 
     # -- wiring done by the strategy ------------------------------------------------
     def _bind(self, communicator: Any, num_replicas_in_sync: int) -> None:
@@ -140,9 +147,27 @@ class CrossDeviceOps:
         reduced = self._reduce_to_one(reduce_op, per_replica, source_devices, options)
         return [self._place(r, destination_devices(d)) for r, (_, d) in zip(reduced, value_destination_pairs)]
 
+    def _check_finite(self, per_replica: list[list]) -> None:
+        """Raise on every rank, naming the replicas, when any input holds NaN or Inf."""
+        comm = self._communicator
+        rank = comm.rank if comm is not None else 0
+        bad = []
+        for i, leaves in enumerate(per_replica):
+            for j, leaf in enumerate(leaves):
+                arr = _as_array(leaf)
+                if arr.dtype.kind in "fc" and not bool(dev.array_module(dev.device_of(arr)).isfinite(arr).all()):
+                    bad.append((rank * len(per_replica) + i, rank, j, tuple(arr.shape)))
+        if comm is not None and comm.size > 1:
+            bad = [b for rank_bad in comm.allgather_object(bad) for b in rank_bad]
+        if bad:
+            detail = "; ".join(f"replica {g} (rank {r}) value #{j} of shape {shape}" for g, r, j, shape in bad)
+            raise FloatingPointError(f"NaN or Inf in all-reduce input ({CHECK_NUMERICS_ENV} is on): {detail}")
+
     def _reduce_to_one(self, reduce_op: Any, per_replica: list[list], devices: Sequence[str], options: Any) -> list:
         op = ReduceOp.from_string(reduce_op)
         num_local = len(per_replica)
+        if self.check_numerics:
+            self._check_finite(per_replica)
         if num_local == 1:
             reduced = [_as_array(v) for v in per_replica[0]]
             owned = False

@@ -177,3 +177,20 @@ def test_sub_communicator_strategies():
         assert float(total) == sum(r for r in range(comm.size) if r % 2 == comm.rank % 2)
     finally:
         sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_non_finite_check_names_the_replica_on_every_rank():
+    s = ms.MultiWorkerMirroredStrategy(local_devices=["/cpu:0", "/cpu:1"])
+    s.extended._cross_device_ops.check_numerics = True
+    bad_replica = 2 * world().size - 1  # the last replica of the last rank
+
+    def step():
+        g = ms.get_replica_context().replica_id_in_sync_group
+        grad = np.full(3, np.nan if g == bad_replica else 1.0, np.float32)
+        return ms.get_replica_context().all_reduce("sum", [np.ones(2), grad])
+
+    with pytest.raises(FloatingPointError, match=rf"replica {bad_replica} \(rank {world().size - 1}\) value #1"):
+        s.run(step)
+    s.extended._cross_device_ops.check_numerics = False
+    assert np.isnan(s.experimental_local_results(s.run(step))[0][1]).all()
