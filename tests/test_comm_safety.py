@@ -125,22 +125,20 @@ def test_timeout_names_the_missing_rank(rc):
 def test_timeout_names_a_rank_waiting_elsewhere(comm):
     # Rank 1 waits in a different communicator's collective: it answers and says where.
     a, b = RankCommunicator(comm), RankCommunicator(comm)
-    try:
-        opts = CommunicationOptions(timeout_seconds=1.0)
-        if comm.rank == 1:
-            b.barrier(CommunicationOptions(timeout_seconds=20))  # completes when the others come
-            with pytest.raises(CollectiveTimeoutError, match="abandoned"):
-                a.step_agreement(1, opts)
-        else:
-            with pytest.raises(CollectiveTimeoutError) as info:
-                a.step_agreement(0, opts)
-            text = str(info.value)
-            assert f"rank 1 is waiting in collective #1 of communicator #{b._guard.index} (barrier)" in text
-            assert info.value.missing_ranks == [1]
-            b.barrier()
-    finally:
-        a.close()
-        b.close()
+    opts = CommunicationOptions(timeout_seconds=1.0)
+    if comm.rank == 1:
+        b.barrier(CommunicationOptions(timeout_seconds=20))  # completes when the others come
+        with pytest.raises(CollectiveTimeoutError, match="abandoned"):
+            a.step_agreement(1, opts)
+    else:
+        with pytest.raises(CollectiveTimeoutError) as info:
+            a.step_agreement(0, opts)
+        b.barrier()
+        text = str(info.value)
+        assert f"rank 1 is waiting in collective #1 of communicator #{b._guard.index} (barrier)" in text, text
+        assert info.value.missing_ranks == [1]
+    a.close()
+    b.close()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -150,3 +148,17 @@ def test_step_agreement_respects_timeout_per_call(rc):
         time.sleep(0.3)
     codes = rc.step_agreement(rc.rank, CommunicationOptions(timeout_seconds=5))
     assert codes.tolist() == list(range(rc.size))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_close_while_a_peer_is_in_a_collective(comm):
+    c = RankCommunicator(comm)
+    if comm.rank == 0:
+        fn = lambda: c.allreduce([np.ones(2)], "sum")  # noqa: E731
+    else:
+        fn = c.close
+    _raises_everywhere(fn, CollectiveMismatchError, r"rank 0 called allreduce", r"called close")
+    if comm.rank == 0:
+        c.close()  # the communicator is done for everyone: no collective clean-up, no hang
+    with pytest.raises(CommunicatorBrokenError):
+        c._guard.check(("barrier", (), ()), 1.0)

@@ -37,7 +37,7 @@ from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, G
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
 from .fusion import Bucket, ResultPool, pack, plan_buckets
 from .options import CommunicationOptions
-from .safety import AgreementGuard, CallKey, fingerprint
+from .safety import AgreementGuard, CallKey, CollectiveError, fingerprint
 
 __all__ = ["RankCommunicator", "normalize_op"]
 
@@ -513,6 +513,16 @@ class RankCommunicator:
         """Release buffers, backends and communicators (collective; idempotent)."""
         if self._closed:
             return
+        if self._guard is not None and self._guard.broken is None:
+            try:
+                # Agree on closing too: a rank still inside another collective
+                # gets a clear mismatch instead of a hang in collective clean-up.
+                self._guard.check(("close", (), ()), self._timeout)
+            except CollectiveError:
+                self._closed = True
+                self._guard.broken = self._guard.broken or "closed after a failed close()"
+                self._guard.close()
+                raise
         self._closed = True
         self._plans.clear()
         broken = self._guard is not None and self._guard.broken is not None

@@ -252,6 +252,7 @@ class AgreementGuard:
         self._sends: list = []
         self._qid = 0
         self.broken: str | None = None
+        self.abandoned_seq: int | None = None
         _LIVE.add(self)
 
     # ---------------------------------------------------------------- public
@@ -285,7 +286,11 @@ class AgreementGuard:
             self._settle(key, timeout, values, arrival)
         if values[0::3].count(h) != self.size:
             keys = self._ctl.allgather(key)
-            raise CollectiveMismatchError(format_mismatch(keys, self.seq), keys)
+            message = format_mismatch(keys, self.seq)
+            if any(k[0] == "close" for k in keys):
+                # Some ranks are closing: the communicator is done for everyone.
+                self.broken = f"ranks disagreed while closing this communicator ({message})"
+            raise CollectiveMismatchError(message, keys)
         return self._recv_aux
 
     def close(self) -> None:
@@ -340,7 +345,10 @@ class AgreementGuard:
             if msg is None:
                 break
             qid = msg.recv()
-            state = None if _WAITING is None else (*_WAITING[:3], time.monotonic() - _WAITING[3])
+            if qid[0] == self.index and qid[1] == self.abandoned_seq:
+                state = ("abandoned",)  # we arrived too, then timed out
+            else:
+                state = None if _WAITING is None else (*_WAITING[:3], time.monotonic() - _WAITING[3])
             self._sends.append(self._query.isend((qid, state), dest=status.Get_source(), tag=_TAG_REPLY))
         self._sends = [r for r in self._sends if not r.Test()]
 
@@ -373,7 +381,7 @@ class AgreementGuard:
             state = replies.get(r)
             if state is None:
                 missing.append(r)
-            elif state[0] == self.index and state[1] == self.seq:
+            elif state[0] == "abandoned" or (state[0] == self.index and state[1] == self.seq):
                 present.append(r)
             else:
                 missing.append(r)
@@ -393,12 +401,13 @@ class AgreementGuard:
                 "(computing, blocked in another MPI call) or dead"
             )
         parts.extend(elsewhere)
-        parts.append(f"present: {_ranks(present)}")
+        parts.append(f"present (waiting or timed out too): {_ranks(present)}")
         message = "; ".join(parts) + "."
         for r in others:
             self._sends.append(self._query.isend((self.seq, self.rank, timeout), dest=r, tag=_TAG_ABANDON))
         self._flush_sends()
         self.broken = f"a collective of this communicator timed out earlier ({message})"
+        self.abandoned_seq = self.seq
         raise CollectiveTimeoutError(message, missing_ranks=missing)
 
     def _abandoned_while_waiting(self, key: CallKey) -> None:
@@ -418,6 +427,7 @@ class AgreementGuard:
                 f"{_ranks(givers)} gave up after timeout_seconds={their_timeout:g}."
             )
             self.broken = f"a collective of this communicator timed out earlier ({message})"
+            self.abandoned_seq = self.seq
             raise CollectiveTimeoutError(message, abandoned_by=givers)
 
     def _resolved(self, others: list[int]) -> None:
@@ -484,6 +494,7 @@ class AgreementGuard:
                 f"arrived: " + "; ".join(parts) + "."
             )
             self.broken = f"a collective of this communicator timed out earlier ({message})"
+            self.abandoned_seq = self.seq
             raise CollectiveTimeoutError(message, abandoned_by=sorted(set(givers) | pending))
 
 
