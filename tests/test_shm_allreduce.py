@@ -315,3 +315,14 @@ def test_many_counts_through_the_plan_cache(backend):
             x = np.full(count, comm.rank + count, np.int32)
             expect = sum(r + count for r in range(comm.size))
             assert (_run(backend, x, "sum") == expect).all(), f"count {count}, pass {rep}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calibration_within_a_small_max_bytes():
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, max_bytes=100 << 10)
+    try:
+        assert all(n <= 100 << 10 for n, _, _ in b.calibration)
+        assert b.min_bytes in (16 << 10, 64 << 10, b.max_bytes + 1)
+    finally:
+        b.close()

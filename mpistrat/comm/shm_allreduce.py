@@ -407,7 +407,7 @@ class ShmAllreduceBackend:
         comm = self.layout.comm.Dup()
         try:
             results = []
-            for nbytes in _CALIBRATION_SIZES:
+            for nbytes in (n for n in _CALIBRATION_SIZES if n <= self.max_bytes):
                 count = nbytes // 4
                 reps = 31 if nbytes <= (64 << 10) else 9 if nbytes <= (1 << 20) else 4
                 private = np.ones(count, np.float32)
