@@ -138,7 +138,10 @@ class Checkpoint:
     # -- save ---------------------------------------------------------------------------
     def write(self, file_path: str, metadata: dict | None = None) -> str:
         """Save to exactly ``file_path`` (collective: call on every rank; the chief writes)."""
-        file_path = os.fspath(file_path)
+        return self._write(os.fspath(file_path), metadata)
+
+    def _write(self, file_path: str, metadata: dict | None, then: Any = None) -> str:
+        """``write``, running ``then(file_path)`` on the chief after the file is in place (errors on every rank)."""
         variables = self.variables()
         strategy, comm = self._strategy_and_comm(variables)
         with self._cross_replica(strategy):
@@ -147,6 +150,8 @@ class Checkpoint:
         if comm is None or comm.rank == 0:
             try:
                 _write_npz(file_path, list(variables), arrays, metadata or {})
+                if then is not None:
+                    then(file_path)
             except Exception as exc:  # reported on every rank below
                 error = CheckpointError(f"Could not write checkpoint {file_path!r}: {type(exc).__name__}: {exc}")
         self._agree(comm, error)
@@ -209,7 +214,7 @@ def _read_npz(path: str) -> tuple[dict, list]:
     if not os.path.isfile(path):
         raise CheckpointError(f"Checkpoint file {path!r} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as npz:  # f closes even if np.load fails
             if _MANIFEST_KEY not in npz.files:
                 raise CheckpointError(f"Checkpoint file {path!r} has no manifest: not an mpistrat checkpoint")
             manifest = json.loads(bytes(npz[_MANIFEST_KEY]).decode())
@@ -305,16 +310,12 @@ class CheckpointManager:
         if not isinstance(checkpoint_number, (int, np.integer)) or checkpoint_number < 0:
             raise ValueError(f"checkpoint_number must be a non-negative integer, got {checkpoint_number!r}")
         path = os.path.join(self.directory, f"{self.checkpoint_name}-{int(checkpoint_number)}.npz")
-        self.checkpoint.write(path, metadata)
-        variables = self.checkpoint.variables()
-        _, comm = self.checkpoint._strategy_and_comm(variables)
-        if (comm is None or comm.rank == 0) and self.max_to_keep is not None:
-            self._prune(path)
-        return path
+        return self.checkpoint._write(path, metadata, then=self._prune)
 
     def _prune(self, newest: str) -> None:
         found = [p for _, p in _numbered(self.directory, self.checkpoint_name) if p != newest]
-        for old in found[:max(0, len(found) - (self.max_to_keep - 1))]:
+        keep = len(found) if self.max_to_keep is None else self.max_to_keep - 1
+        for old in found[:max(0, len(found) - keep)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(old)
         for entry in os.listdir(self.directory):  # temporary files of saves that were killed

@@ -12,9 +12,9 @@ from mpistrat.checkpoint import Checkpoint, CheckpointError, CheckpointManager
 
 
 @pytest.fixture
-def shared_dir(comm, tmp_path):
-    """A directory every rank of the test sees (rank 0's tmp_path)."""
-    return comm.bcast(str(tmp_path), root=0)
+def shared_dir(mpi_tmp_path):
+    """A directory every rank of the test sees (rank 0's tmp_path, from pytest-mpi)."""
+    return str(mpi_tmp_path)
 
 
 @pytest.mark.mpi(min_size=2)
