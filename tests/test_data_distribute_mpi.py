@@ -362,3 +362,48 @@ def test_agreement_is_amortised_over_steps_held_in_memory(comm, rank_comm, mpi_t
     # one agreement per distinct shard length (each commits up to the next rank's end) and one for the end,
     # instead of one per step
     assert counting.agreements - built == comm.size + 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_truncated_npy_on_one_rank_fails_every_rank(comm, rank_comm, mpi_tmp_path):
+    files = write_npy_shards(comm, mpi_tmp_path, [20] * comm.size, feat=4)
+    last = comm.size - 1
+    if comm.rank == 0:
+        data = Path(files[last]).read_bytes()
+        Path(files[last]).write_bytes(data[:-8])
+    comm.Barrier()
+    ds = with_policy(D.NpyDataset(files).batch(4), AutoShardPolicy.FILE)
+    with pytest.raises(InputPipelineError, match=rf"rank\(s\) \[{last}\].*rank {last}: truncated \.npy file .*shard-0{last}\.npy.*byte offset 128"):
+        list(DistributedDataset(ds, worker_info(rank_comm, 1), None))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_stuck_rank_makes_the_others_time_out_instead_of_hanging(comm):
+    try:
+        from mpistrat.comm.communicator import RankCommunicator
+        from mpistrat.comm.options import CommunicationOptions
+        from mpistrat.comm.safety import CollectiveError
+    except ImportError:
+        pytest.skip("needs mpistrat.comm.communicator")
+    import time
+
+    rc = RankCommunicator(comm, CommunicationOptions(timeout_seconds=2.0))
+    try:
+        def slow(x):
+            if comm.rank == 1 and int(x[0]) == 4:
+                time.sleep(6)  # a stuck file system on rank 1
+            return x
+
+        ds = with_policy(D.Dataset.range(16).batch(2).map(slow), AutoShardPolicy.DATA)
+        dist = DistributedDataset(ds, worker_info(rc, 1), InputOptions(experimental_per_replica_buffer_size=0))
+        t0 = time.monotonic()
+        with pytest.raises((CollectiveError, InputPipelineError)):
+            list(dist)
+        if comm.rank != 1:
+            assert time.monotonic() - t0 < 5.5  # the waiting ranks gave up on their own, by the timeout
+    finally:
+        try:
+            rc.close()
+        except Exception:
+            pass
