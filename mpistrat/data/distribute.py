@@ -368,7 +368,13 @@ def _unbatched_to_replica(spec: Any) -> Any:
 
 
 class DistributedDataset(_DistributedBase):
-    """A batched Dataset spread over the replicas of all ranks (``experimental_distribute_dataset``)."""
+    """A batched Dataset spread over the replicas of all ranks (``experimental_distribute_dataset``).
+
+    The dataset must be batched by the global batch size. The dataset's
+    ``auto_shard_policy`` picks what this rank reads (FILE: its files; DATA and
+    OFF: everything) and :mod:`.splitting` how each batch is cut over the
+    replicas. Iterating again starts a new pass.
+    """
 
     def __init__(self, dataset: Dataset, worker_info: InputWorkerInfo, options: _Opt[InputOptions] = None):
         info = _check_info(worker_info)
