@@ -25,25 +25,47 @@ above 32 MiB set ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296``:
 without it glibc maps, faults and unmaps MPICH's message-sized scratch buffer
 on every call.
 
-Results on the 2-core development VM (PyPI MPICH 5.0.2, 2026-11-22, shared
-with other jobs: load average 5-7 during these runs, so single numbers jump;
-two runs per row, shm/raw per size from 4 KiB to 64 MiB)::
+Results on the 2-core development VM (PyPI MPICH 5.0.2, 2026-11-22, 06:09-06:10
+UTC, shared with other jobs: load average 6 during these runs), two runs per
+row, busbw ratio shm/raw per size::
 
     ranks malloc   4K    16K   64K   256K  1M    4M    16M   64M
-    2     unset    1.47  2.11  2.41  2.94  0.43* 2.22  2.53  4.20
-    2     unset    1.39  1.93  2.24  2.77  3.05  1.00* 3.58  5.38
-    2     set      1.43  1.96  2.17  2.72  5.46  6.58  2.89  3.49
-    2     set      1.37  2.71  3.65  2.86  3.37  3.67  2.03  2.85
-    4     unset    0.75  1.10  1.33  1.77  2.38  2.10  2.99  5.84
-    4     unset    0.68  1.10  1.48  3.50  1.55  2.79  2.82  5.35
-    4     set      0.59  1.10  1.24  1.92  2.34  2.54  3.23  4.10
-    4     set      0.96  1.69  1.64  2.33  1.56  2.13  2.62  4.05
-    4, 2 pretend   0.63  0.91  0.94  1.21  1.62  1.45  1.60  2.02   (hierarchical)
+    2     unset    0.38  0.52  0.65  1.16  2.00  2.16  2.37  6.65  (auto: MPI below 1M)
+    2     unset    1.07  2.05  2.87  3.65  3.94  3.09  3.45  6.18
+    2     set      1.11  2.39  2.85  3.70  3.92  4.47  3.03  3.62
+    2     set      1.22  2.35  2.88  6.48  4.91  3.28  3.52  3.79
+    4     unset    1.01  1.51  1.96  2.21  2.77  2.44  2.39  5.27
+    4     unset    1.11  1.57  2.31  2.89  2.88  1.23  2.68  5.21
+    4     set      1.01  1.38  1.96  2.24  2.48  2.75  2.46  3.95
+    4     set      1.02  1.44  1.94  2.56  2.94  2.89  2.77  4.02
+    4, 2 pretend   1.05  0.78  1.31  0.97  1.74  1.38  1.61  1.98  (hierarchical)
 
-(* one-off slow medians in a run where other jobs took the cores; every
-result was exact.) The start-up calibration picked min_bytes 16 KiB..1 MiB at
-2 ranks and 64 KiB..1 MiB at 4 (once 4 MiB and 16 KiB when the machine was
-busiest), so "auto" took plain MPI at 4 KiB, where raw MPICH wins at 4 ranks.
+Every result was exact. The start-up calibration (23-310 ms; once 1.2 s at
+the busiest) chose min_bytes 16 KiB in every single-node run but the first,
+where other jobs slowed the window path at small sizes and it chose 1 MiB;
+"auto" (what a caller gets) was never below 1.00 on one node. One full table
+(2 ranks, malloc knobs set)::
+
+    bytes    raw us raw busbw    shm us shm busbw shm/raw auto auto/raw exact
+     4096       5.2      0.79       4.7      0.88    1.11  mpi     1.00   yes
+    16384      11.8      1.39       4.9      3.32    2.39  shm     2.39   yes
+    65536      19.9      3.30       7.0      9.41    2.85  shm     2.85   yes
+   262144      51.6      5.08      13.9     18.81    3.70  shm     3.70   yes
+  1048576     221.8      4.73      56.5     18.54    3.92  shm     3.92   yes
+  4194304     870.7      4.82     194.7     21.55    4.47  shm     4.47   yes
+ 16777216    3806.4      4.41    1256.5     13.35    3.03  shm     3.03   yes
+ 67108864   20014.0      3.35    5534.7     12.13    3.62  shm     3.62   yes
+
+and 4 ranks, malloc knobs set::
+
+     4096      38.3      0.16      38.0      0.16    1.01  mpi     1.00   yes
+    16384      56.3      0.44      40.9      0.60    1.38  shm     1.38   yes
+    65536      92.0      1.07      46.9      2.10    1.96  shm     1.96   yes
+   262144     210.6      1.87      93.9      4.19    2.24  shm     2.24   yes
+  1048576     704.0      2.23     283.9      5.54    2.48  shm     2.48   yes
+  4194304    3113.6      2.02    1133.9      5.55    2.75  shm     2.75   yes
+ 16777216   15471.5      1.63    6292.5      4.00    2.46  shm     2.46   yes
+ 67108864   90844.1      1.11   23015.3      4.37    3.95  shm     3.95   yes
 """
 
 from __future__ import annotations
