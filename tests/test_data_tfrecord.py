@@ -189,8 +189,15 @@ def test_python_fallback_reads_tensorflow_files(tmp_path, monkeypatch):
     try:
         assert slow.IMPLEMENTATION.startswith("pure Python")
         monkeypatch.setattr(tfr, "masked_crc32c", slow.masked_crc32c)
+        monkeypatch.setattr(tfr, "crc32c", slow.crc32c)
+        assert tfr.crc32c is crcmod.crc32c_python
         path = _write(tmp_path / "p.tfrecord", [b"hello", b"world"])
         assert list(D.TFRecordDataset(str(path))) == [b"hello", b"world"]
+        data = bytearray(path.read_bytes())
+        data[14] ^= 1
+        path.write_bytes(bytes(data))
+        with pytest.raises(D.DataLossError, match="data CRC mismatch"):
+            list(D.TFRecordDataset(str(path)))
     finally:
         monkeypatch.delenv("MPISTRAT_CRC32C")
         importlib.reload(crcmod)
