@@ -160,7 +160,9 @@ class ShmAllreduceBackend:
         self.max_bytes = int(max_bytes if max_bytes is not None else _env_bytes("MPISTRAT_SHM_MAX_BYTES", _DEFAULT_MAX))
         block = block_bytes if block_bytes is not None else _env_bytes("MPISTRAT_SHM_BLOCK_BYTES", _DEFAULT_BLOCK)
         if self.max_bytes < 0 or block is None or block <= 0:
-            raise ValueError(f"ShmAllreduceBackend: need max_bytes >= 0 and block_bytes > 0, got {self.max_bytes}, {block}")
+            raise ValueError(
+                f"ShmAllreduceBackend: need max_bytes >= 0 and block_bytes > 0, got {self.max_bytes}, {block}"
+            )
         self.block_bytes = int(block)
         sync = sync or os.environ.get("MPISTRAT_SHM_SYNC", "").strip().lower() or "auto"
         if sync == "auto":
@@ -375,7 +377,9 @@ class ShmAllreduceBackend:
                         blocks.append((srcs, tmp[: e - s], own[s:e]))
             if self.layout.num_nodes > 1:
                 cross = own[lo:hi]
-        pieces = [(bounds[i], views[i][bounds[i] : bounds[i + 1]]) for i in range(self.owners) if bounds[i + 1] > bounds[i]]
+        pieces = [
+            (bounds[i], views[i][bounds[i] : bounds[i + 1]]) for i in range(self.owners) if bounds[i + 1] > bounds[i]
+        ]
         if len(self._plans) >= _PLAN_CACHE:
             self._plans.clear()
         plan = self._plans[key] = _Plan(pieces, blocks, cross)

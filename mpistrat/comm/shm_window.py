@@ -49,7 +49,17 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["PAGE_SIZE", "default_spin", "SharedWindow", "NodeSync", "BarrierSync", "CounterSync", "make_sync", "free_all", "exiting_cleanly"]
+__all__ = [
+    "PAGE_SIZE",
+    "SharedWindow",
+    "NodeSync",
+    "BarrierSync",
+    "CounterSync",
+    "make_sync",
+    "default_spin",
+    "free_all",
+    "exiting_cleanly",
+]
 
 PAGE_SIZE = mmap.PAGESIZE
 _CACHE_LINE = 64
