@@ -112,11 +112,14 @@ class _Placer:
     def __init__(self, devices: tuple, fetch_to_device: bool):
         self.devices = devices
         self.fetch = fetch_to_device
+        self.gpu = {d: is_gpu(d) for d in devices}
         self.streams: dict = {}
 
     def _leaf(self, x: Any, device: str) -> Any:
         if isinstance(x, (bytes, str)) or getattr(x, "dtype", None) == object:
             return x
+        if isinstance(x, np.ndarray) and not self.gpu.get(device, False):
+            return x  # already on the host, where CPU devices keep their arrays
         return to_device(x, device)
 
     def __call__(self, values: List[Any]) -> List[Any]:
@@ -126,8 +129,10 @@ class _Placer:
         for value, device in zip(values, self.devices):
             if value is None:
                 out.append(None)
-            elif is_gpu(device):
+            elif self.gpu[device]:
                 out.append(self._to_gpu(value, device))
+            elif not nest.is_nested(value):
+                out.append(self._leaf(value, device))
             else:
                 out.append(nest.map_structure(lambda x, d=device: self._leaf(x, d), value))
         return out

@@ -67,11 +67,15 @@ def stack_elements(elements: Sequence[Any]) -> Any:
 
 def slice_element(element: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` of every leaf of a batched element."""
+    if not nest.is_nested(element):
+        return element[start:stop]
     return nest.map_structure(lambda x: x[start:stop], element)
 
 
 def element_length(element: Any) -> int:
     """The leading (batch) dimension of a batched element; leaves must agree."""
+    if isinstance(element, np.ndarray) and element.ndim:
+        return int(element.shape[0])
     lengths = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in nest.flatten(element)}
     if len(lengths) != 1 or -1 in lengths:
         raise ValueError(
