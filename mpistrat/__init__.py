@@ -48,6 +48,10 @@ _LAZY = {
     "cluster_resolver": ("mpistrat.cluster_resolver", None),
     "experimental": ("mpistrat.experimental", None),
     "data": ("mpistrat.data", None),
+    "optimizers": ("mpistrat.optimizers", None),
+    "checkpoint": ("mpistrat.checkpoint", None),
+    "Checkpoint": ("mpistrat.checkpoint", "Checkpoint"),
+    "CheckpointManager": ("mpistrat.checkpoint", "CheckpointManager"),
 }
 
 __all__ = [
