@@ -326,3 +326,22 @@ def test_calibration_within_a_small_max_bytes():
         assert b.min_bytes in (16 << 10, 64 << 10, b.max_bytes + 1)
     finally:
         b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_env_pretend_nodes_capped_on_a_small_sub_communicator(monkeypatch):
+    comm = MPI.COMM_WORLD
+    monkeypatch.setenv("MPISTRAT_PRETEND_NODES", str(comm.size))
+    pair = comm.Split(color=comm.rank // 2, key=comm.rank)
+    try:
+        b = ShmAllreduceBackend(pair, min_bytes=0)
+        try:
+            assert b.layout.num_nodes == pair.size and b.layout.pretend
+            x = np.full(9, comm.rank, np.int64)
+            assert (_run(b, x, "max") == max(pair.allgather(comm.rank))).all()
+        finally:
+            b.close()
+        with pytest.raises(ValueError, match="pretend_nodes"):
+            ShmAllreduceBackend(pair, pretend_nodes=pair.size + 1, min_bytes=0)
+    finally:
+        pair.Free()

@@ -66,7 +66,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
-from .topology import NodeLayout, node_layout
+from .topology import NodeLayout, node_layout, pretend_nodes_from_env
 
 __all__ = ["ShmAllreduceBackend", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "parse_bytes"]
 
@@ -132,7 +132,8 @@ class ShmAllreduceBackend:
     """All-reduce of packed buckets through a node shared-memory window.
 
     Collective over ``comm`` (default ``COMM_WORLD``). ``pretend_nodes`` cuts
-    the ranks into pretend nodes (default from ``MPISTRAT_PRETEND_NODES``).
+    the ranks into pretend nodes (default from ``MPISTRAT_PRETEND_NODES``,
+    capped at the communicator's size).
     ``min_bytes=0`` enables it for every size (what forcing it means).
     ``timeout_seconds`` bounds the node synchronisation (``counter`` sync).
     ``pack_buffer``, ``allreduce_packed`` and ``close`` are collective and
@@ -153,6 +154,9 @@ class ShmAllreduceBackend:
         timeout_seconds: float | None = None,
     ) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
+        if pretend_nodes is None:  # the environment's count, capped for small sub-communicators
+            env = pretend_nodes_from_env()
+            pretend_nodes = None if env is None else min(env, comm.Get_size())
         self.layout: NodeLayout | None = node_layout(comm, pretend_nodes)
         lay = self.layout
         # Slice owners: local ranks [0, P) of every node, P the smallest node.
