@@ -66,13 +66,16 @@ def pretend_nodes_from_env() -> int | None:
 def node_layout(comm: MPI.Comm | None = None, pretend_nodes: int | None = None) -> NodeLayout:
     """Split ``comm`` into nodes (collective over ``comm``).
 
-    With ``pretend_nodes=K`` (default from ``MPISTRAT_PRETEND_NODES``), rank r
-    of n is on pretend node ``r * K // n``; K must not exceed n.
+    With ``pretend_nodes=K`` (default from ``MPISTRAT_PRETEND_NODES``, capped
+    at the communicator's size), rank r of n is on pretend node ``r * K // n``;
+    an explicit K must not exceed n.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
     if pretend_nodes is None:
         pretend_nodes = pretend_nodes_from_env()
-    rank, size = comm.Get_rank(), comm.Get_size()
+        if pretend_nodes is not None:
+            pretend_nodes = min(pretend_nodes, size)  # the env applies to sub-communicators too
     if pretend_nodes is not None:
         if pretend_nodes > size:
             raise ValueError(f"pretend_nodes={pretend_nodes} is more than the {size} ranks of the communicator")
