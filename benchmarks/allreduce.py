@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(world, rc)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# mpistrat all-reduce benchmark: {n} ranks, float32, {MPI.Get_library_version().splitlines()[0]}")
-    say(f"# RankCommunicator backends: {[b.name for b in rc._host_backends]}; implementation={args.implementation}")
+    described = [b.name + (f"(min_bytes={b.min_bytes}, sync={b.sync_kind})" if hasattr(b, "min_bytes") else "")
+                 for b in rc._host_backends]
+    say(f"# RankCommunicator backends: {described}; implementation={args.implementation}")
     say("# time = median over iterations of the slowest rank; busbw = algbw * 2(n-1)/n; ratio = busbw / raw busbw")
     names = list(MEASURED)
     header = f"{'size':>9} {'iters':>5}"

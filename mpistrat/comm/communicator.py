@@ -45,6 +45,9 @@ _HOST, _CUPY, _CAI = 0, 1, 2
 _KIND_NAMES = {_HOST: "NumPy", _CUPY: "CuPy", _CAI: "__cuda_array_interface__"}
 _SCALARS = (int, float, complex, np.generic)
 _PLAN_CACHE_MAX = 512
+# A bucket holding one array goes straight to plain MPI (no copy into a
+# shared-memory window); False lets the backend table choose for it too.
+SINGLE_ARRAYS_DIRECT = True
 _DTYPE_STR: dict = {}  # dtype -> dtype.str (the attribute builds a new string on every access)
 
 
@@ -267,9 +270,9 @@ class RankCommunicator:
                 ]
             for b in buckets:
                 if kind == _HOST:
-                    if len(b.members) == 1:
-                        backend = self._host_backends[-1]  # one array: straight to MPI, no packing
-                    else:
+                    if len(b.members) == 1 and SINGLE_ARRAYS_DIRECT:
+                        backend = self._host_backends[-1]  # one array: straight to plain MPI
+                    else:  # packed buckets: the first enabled backend (shared memory, MPI)
                         backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
                     xp = np
                 else:
