@@ -407,3 +407,15 @@ def test_a_stuck_rank_makes_the_others_time_out_instead_of_hanging(comm):
             rc.close()
         except Exception:
             pass
+
+
+@pytest.mark.mpi(min_size=2)
+def test_agreement_thins_out_with_the_prefetch_thread(comm, rank_comm):
+    counting = _Counting(rank_comm)
+    info = InputWorkerInfo(comm.size, comm.rank, ("/cpu:0",), comm.size, comm.rank, counting)
+    n_steps = 300
+    ds = with_policy(D.Dataset.range(n_steps * comm.size).batch(comm.size), AutoShardPolicy.DATA)
+    dist = DistributedDataset(ds, info, InputOptions())  # default: prefetch thread
+    built = counting.agreements
+    assert sum(1 for _ in dist) == n_steps
+    assert counting.agreements - built < n_steps // 4

@@ -179,17 +179,22 @@ class DistributedIterator:
         self._pending_error: _Opt[BaseException] = None
         self._ready: collections.deque = collections.deque()
         self._committed = 0
+        self._held = 0
         placer = _Placer(info.local_devices, options.fetch_to_device)
         self._placer = placer
         buffer = options.experimental_per_replica_buffer_size
         self._producer: _Opt[BackgroundProducer] = None
         self._window = AGREEMENT_WINDOW
+        self._target = 1
         if options.fetch_to_device and buffer > 0:
-            # The thread stays at most `buffer` steps ahead (and blocks, releasing the GIL, when it is):
-            # a thread that is always busy would make the training thread wait for the GIL after each
-            # step's compute. So agreement is amortised over at most `buffer` steps here; device memory
-            # holds at most 2 * buffer + 1 steps (held here, queued, being placed).
-            self._window, depth, max_bytes = buffer, buffer, None
+            if any(is_gpu(d) for d in info.local_devices):
+                # Device memory is bounded by the buffer: the thread places at most `buffer` steps ahead.
+                self._window, depth, max_bytes = buffer, buffer, None
+            else:
+                # CPU replicas: placement is free, so the thread may run up to a window ahead on the
+                # host (bounded by steps and bytes). Steps are taken one at a time, so the thread
+                # refills at its own pace instead of in bursts that would starve this thread of the GIL.
+                self._window, depth, max_bytes = AGREEMENT_WINDOW, max(buffer, AGREEMENT_WINDOW), AGREEMENT_BYTES
 
             def produce() -> Iterator[List[Any]]:
                 return (placer(values) for values in make_steps())
@@ -201,17 +206,12 @@ class DistributedIterator:
             self._source = make_steps()  # placed on hand-out, so read-ahead stays on the host
 
     # -- the agreement protocol ---------------------------------------------------------
-    def _pull(self, block: bool) -> bool:
-        """Move one step from the source into ``_ready``; False when nothing more (now)."""
+    def _pull(self) -> bool:
+        """Move one step from the source into ``_ready`` (waiting for it); False at the end or an error."""
         if self._local_done:
             return False
         try:
-            if block or self._producer is None:
-                values = next(self._source)
-            else:
-                values = self._producer.get_nowait()
-                if values is None:
-                    return False
+            values = next(self._source)
         except StopIteration:
             self._local_done = True
             return False
@@ -228,14 +228,29 @@ class DistributedIterator:
         return True
 
     def _fill(self) -> int:
-        """Hold up to AGREEMENT_WINDOW steps (at least one unless done); return the local code."""
-        if not self._ready:
-            self._pull(block=True)
-        nbytes = sum(_nbytes(v) for v in self._ready)
-        while len(self._ready) < self._window and nbytes < AGREEMENT_BYTES and self._pull(block=False):
-            nbytes += _nbytes(self._ready[-1])
-        if self._ready:
-            return len(self._ready)
+        """Count the steps this rank holds (reading ahead if needed); return the local code."""
+        if self._producer is not None:
+            held = self._producer.wait_ready(min(self._target, self._window)) if not self._local_done else 0
+            if held == 0:
+                self._pull()  # the end or the failure: records it
+                held = len(self._ready)
+            elif self._template is None:
+                first = self._producer.peek()
+                self._template = next((template_of(v) for v in first if v is not None), None)
+        else:
+            if not self._ready:
+                self._pull()
+            nbytes = sum(_nbytes(v) for v in self._ready)
+            while len(self._ready) < self._window and nbytes < AGREEMENT_BYTES and self._pull():
+                nbytes += _nbytes(self._ready[-1])
+            held = len(self._ready)
+        self._held = held
+        if held:
+            # Wait for twice as many steps next time (up to the window): agreements thin out
+            # geometrically while the thread gets ahead, without stalling the first steps.
+            if self._comm is not None:
+                self._target = min(2 * self._target, self._window)
+            return min(held, self._window)
         if self._pending_error is not None:
             return FAILED
         return EXHAUSTED if self._template is not None else EXHAUSTED_NO_TEMPLATE
@@ -254,7 +269,9 @@ class DistributedIterator:
         if (codes == EXHAUSTED_NO_TEMPLATE).any():
             templates = self._comm.allgather_object(self._template)
             if self._template is None:
-                self._template = next(t for t in templates if t is not None)
+                self._template = next((t for t in templates if t is not None), None)
+                if self._template is None:  # pragma: no cover - a rank with data always has one
+                    raise InputPipelineError("No rank could describe an empty batch (no rank has seen a batch)")
         self._committed = int(codes[codes > 0].min())
 
     def _fail(self, codes: np.ndarray, exc: _Opt[BaseException]) -> None:
@@ -278,10 +295,16 @@ class DistributedIterator:
         if self._committed == 0:
             self._agree()
         self._committed -= 1
-        if self._ready:
-            values = self._ready.popleft()
+        if self._held > 0:
+            self._held -= 1
+            if self._ready:
+                values = self._ready.popleft()
+            else:
+                values = next(self._producer)  # counted as ready at the agreement: no wait
             if self._producer is None:
                 values = self._placer(values)
+            elif self._template is None:
+                self._template = next((template_of(v) for v in values if v is not None), None)
         else:  # this rank has run out; others still have data this step
             values = [None] * self._info.num_local_replicas
         return self._assemble(values)

@@ -36,6 +36,8 @@ class _Buffer:
         self._items: collections.deque = collections.deque()
         self._bytes = 0
         self._max_items, self._max_bytes, self._size_fn = max_items, max_bytes, size_fn
+        self._terminal = False  # the last item is the end marker or a failure
+        self._blocked = False  # the producer waits for room
 
     def put(self, item: Any, stop: threading.Event) -> bool:
         size = self._size_fn(item) if self._size_fn is not None and not isinstance(item, _Failure) and item is not _END else 0
@@ -44,9 +46,14 @@ class _Buffer:
                 len(self._items) >= self._max_items
                 or (self._max_bytes is not None and self._bytes + size > self._max_bytes)
             ):
+                if not self._blocked:
+                    self._blocked = True
+                    self._cv.notify_all()
                 self._cv.wait(_POLL)
+            self._blocked = False
             if stop.is_set():
                 return False
+            self._terminal = item is _END or isinstance(item, _Failure)
             self._items.append((item, size))
             self._bytes += size
             self._cv.notify_all()
@@ -62,8 +69,25 @@ class _Buffer:
                     raise _Empty
             item, size = self._items.popleft()
             self._bytes -= size
+            if not self._items:
+                self._terminal = False
             self._cv.notify_all()
             return item
+
+    def peek(self) -> Any:
+        """The first item without taking it (None when empty)."""
+        with self._cv:
+            return self._items[0][0] if self._items else None
+
+    def wait_for(self, count: int, alive: Callable[[], bool]) -> int:
+        """Wait until ``count`` data items are ready, the producer is blocked on a full buffer or has
+        finished; return how many data items (not end/failure markers) are ready."""
+        with self._cv:
+            while True:
+                ready = len(self._items) - (1 if self._terminal else 0)
+                if ready >= count or self._blocked or self._terminal or not alive():
+                    return ready
+                self._cv.wait(_POLL)
 
     def empty(self) -> bool:
         with self._cv:
@@ -137,15 +161,18 @@ class BackgroundProducer:
                     raise RuntimeError("the prefetch thread ended without a result") from None
         return self._unwrap(item)
 
-    def get_nowait(self) -> Any:
-        """The next item if one is ready, else None; StopIteration / the producer's error as ``next``."""
+    def wait_ready(self, count: int) -> int:
+        """Block until ``count`` items are ready, the buffer is full, or the producer has finished;
+        return the number of items (not counting the end or a failure) that ``next`` will return
+        without waiting."""
         if self._done:
-            raise StopIteration
-        try:
-            item = self._queue.get(timeout=0)
-        except _Empty:
-            return None
-        return self._unwrap(item)
+            return 0
+        return self._queue.wait_for(count, self._thread.is_alive)
+
+    def peek(self) -> Any:
+        """The next item if one is ready (not taken; None when nothing is ready or at the end)."""
+        item = self._queue.peek()
+        return None if item is _END or isinstance(item, _Failure) else item
 
     def _unwrap(self, item: Any) -> Any:
         if item is _END:
