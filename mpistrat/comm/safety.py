@@ -5,8 +5,10 @@ first runs :meth:`AgreementGuard.check`: one tiny non-blocking collective
 (an all-gather of three int64 per rank: a fingerprint of the call, one
 auxiliary integer and the rank's wall-clock deadline; a persistent
 ``Allgather_init`` request where MPI-4 offers it, else ``Iallgather``) on a private duplicate of the communicator, polled with
-``Test`` — a short spin, then sleeps that back off to 1 ms, so waiting ranks
-leave the CPU to ranks that compute.
+``Test`` — a short spin (none when the node has more ranks than cores), then
+polls that yield the CPU (``sched_yield``), then
+after 50 ms sleeps that back off to 1 ms, so waiting ranks leave the CPU to
+ranks that compute.
 
 * **Mismatch.** When the fingerprints differ (op, array count, shapes,
   dtypes, call kind, root...), every rank has seen every fingerprint, so all
@@ -71,6 +73,7 @@ GRACE_ENV = "MPISTRAT_TIMEOUT_GRACE_SECONDS"
 NO_ABORT_HOOK_ENV = "MPISTRAT_NO_ABORT_HOOK"
 
 _SPIN_SECONDS = 2e-4
+_YIELD_SECONDS = 0.05
 _MAX_SLEEP = 1e-3
 _TAG_QUERY, _TAG_REPLY, _TAG_ABANDON, _TAG_RESOLVED = 1, 2, 3, 4
 
@@ -257,6 +260,12 @@ class AgreementGuard:
             self._persistent = None
         self._sends: list = []
         self._qid = 0
+        # More ranks than cores on this node: no pure spin (a spinning rank
+        # keeps the peer it waits for off the CPU); yield from the start.
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        oversubscribed = node.Get_size() > len(os.sched_getaffinity(0))
+        node.Free()
+        self._spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
         self.broken: str | None = None
         self.abandoned_seq: int | None = None
         _LIVE.add(self)
@@ -323,25 +332,35 @@ class AgreementGuard:
         global _WAITING
         start = time.monotonic()
         deadline = start + timeout
-        spin_end = start + _SPIN_SECONDS
+        spin_end = start + self._spin_seconds
         while time.monotonic() < spin_end:
             if req.Test():
                 return False
         previous = _WAITING
         _WAITING = (self.index, self.seq, describe_call(key), start)
         try:
-            delay = 2e-5
+            # Then poll with sched_yield (the CPU goes to ranks that compute, an
+            # idle core polls on at once), answering queries every millisecond;
+            # after _YIELD_SECONDS sleep between polls, backing off to 1 ms.
+            yield_end = start + _YIELD_SECONDS
+            next_service = 0.0
+            delay = 5e-5
             while True:
                 if req.Test():
                     return False
-                _service_all()
-                if self._query.Iprobe(MPI.ANY_SOURCE, _TAG_ABANDON):
-                    self._abandoned_while_waiting(key)
                 now = time.monotonic()
+                if now >= next_service:
+                    _service_all()
+                    if self._query.Iprobe(MPI.ANY_SOURCE, _TAG_ABANDON):
+                        self._abandoned_while_waiting(key)
+                    next_service = now + 1e-3
                 if now >= deadline:
                     break
-                time.sleep(min(delay, deadline - now))
-                delay = min(delay * 2, _MAX_SLEEP)
+                if now < yield_end:
+                    os.sched_yield()
+                else:
+                    time.sleep(min(delay, deadline - now))
+                    delay = min(delay * 2, _MAX_SLEEP)
             self._on_timeout(req, key, timeout, start)
             return True
         finally:
