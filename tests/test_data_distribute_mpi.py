@@ -415,7 +415,7 @@ def test_agreement_thins_out_with_the_prefetch_thread(comm, rank_comm):
     info = InputWorkerInfo(comm.size, comm.rank, ("/cpu:0",), comm.size, comm.rank, counting)
     n_steps = 300
     ds = with_policy(D.Dataset.range(n_steps * comm.size).batch(comm.size), AutoShardPolicy.DATA)
-    dist = DistributedDataset(ds, info, InputOptions())  # default: prefetch thread
+    dist = DistributedDataset(ds, info, InputOptions(experimental_per_replica_buffer_size=16))
     built = counting.agreements
     assert sum(1 for _ in dist) == n_steps
-    assert counting.agreements - built < n_steps // 4
+    assert counting.agreements - built < n_steps // 4  # at most one per step, typically one per 16

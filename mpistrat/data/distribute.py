@@ -159,10 +159,11 @@ class DistributedIterator:
     the smallest positive count of steps without talking. Without the prefetch
     thread a rank reads up to ``AGREEMENT_WINDOW`` steps (and ``AGREEMENT_BYTES``)
     ahead on the host and copies each to its devices when handing it out. With it,
-    a rank holds at most ``experimental_per_replica_buffer_size`` steps that the
-    thread has already placed on the devices, besides the thread's queue of that
-    many, so agreement is amortised over at most that many steps: raise the buffer
-    size, or use 0 (no thread), for input-bound multi-rank pipelines. A rank never promises a
+    the count is of the steps waiting in the thread's queue (at most
+    ``experimental_per_replica_buffer_size``, already on the devices), which stay
+    there until handed out; so agreement is amortised over at most that many
+    steps: raise the buffer size, or use 0 (no thread), for input-bound
+    multi-rank pipelines. A rank never promises a
     step it has not read, so iteration ends, and a read error is raised on every
     rank, at exactly the step where it would be with one agreement per step.
     """
@@ -187,14 +188,12 @@ class DistributedIterator:
         self._window = AGREEMENT_WINDOW
         self._target = 1
         if options.fetch_to_device and buffer > 0:
-            if any(is_gpu(d) for d in info.local_devices):
-                # Device memory is bounded by the buffer: the thread places at most `buffer` steps ahead.
-                self._window, depth, max_bytes = buffer, buffer, None
-            else:
-                # CPU replicas: placement is free, so the thread may run up to a window ahead on the
-                # host (bounded by steps and bytes). Steps are taken one at a time, so the thread
-                # refills at its own pace instead of in bursts that would starve this thread of the GIL.
-                self._window, depth, max_bytes = AGREEMENT_WINDOW, max(buffer, AGREEMENT_WINDOW), AGREEMENT_BYTES
+            # The thread runs at most `buffer` steps ahead and then blocks. A thread that is always busy
+            # (a deep queue filling) holds the GIL whenever this thread wakes from the user's compute, which
+            # costs up to the interpreter's switch interval (5 ms) per step; so depth = buffer, and agreement
+            # is amortised over at most `buffer` steps (raise it, or use 0 for host read-ahead without a
+            # thread, for input-bound multi-rank pipelines). Device memory: at most buffer + 1 steps ahead.
+            self._window, depth, max_bytes = buffer, buffer, None
 
             def produce() -> Iterator[List[Any]]:
                 return (placer(values) for values in make_steps())
