@@ -1,14 +1,14 @@
 """Never hang, never corrupt: agreement checks, timeouts, abort-on-exception.
 
 Every cross-rank call of a :class:`~mpistrat.comm.communicator.RankCommunicator`
-first runs :meth:`AgreementGuard.check`: one tiny non-blocking collective
-(an all-gather of three int64 per rank: a fingerprint of the call, one
-auxiliary integer and the rank's wall-clock deadline; a persistent
-``Allgather_init`` request where MPI-4 offers it, else ``Iallgather``) on a private duplicate of the communicator, polled with
-``Test`` — a short spin (none when the node has more ranks than cores), then
-polls that yield the CPU (``sched_yield``), then
-after 50 ms sleeps that back off to 1 ms, so waiting ranks leave the CPU to
-ranks that compute.
+first runs :meth:`AgreementGuard.check`: one tiny non-blocking collective on
+a private duplicate of the communicator (an all-gather of three int64 per
+rank: a fingerprint of the call, one auxiliary integer, the rank's
+wall-clock deadline; a persistent ``Allgather_init`` request where MPI-4
+offers it, else ``Iallgather``), polled with ``Test``: a short spin (none
+when the node has more ranks than cores), then polls that yield the CPU
+(``sched_yield``), then, after 50 ms, sleeps backing off to 1 ms, so waiting
+ranks leave the CPU to ranks that compute.
 
 * **Mismatch.** When the fingerprints differ (op, array count, shapes,
   dtypes, call kind, root...), every rank has seen every fingerprint, so all
@@ -23,9 +23,12 @@ ranks that compute.
   and raises :class:`CollectiveTimeoutError` naming the ranks that never
   arrived: a rank that is busy in Python, blocked in another MPI call or
   dead does not answer and is named as such; a rank waiting in a different
-  mpistrat collective says which.  The timed-out rank then tells its peers
-  the collective was abandoned, so a rank arriving late raises too instead
-  of entering the data transfer alone.  After a timeout the guard is broken:
+  mpistrat collective says which.  The timed-out rank then sends every peer
+  a verdict: ABANDON (it raised) or RESOLVED (the collective completed
+  during the grace period after all).  A rank that completes a check and
+  sees from the gathered deadlines that a peer's deadline had passed before
+  it arrived waits (bounded) for that peer's verdict, so a late rank raises
+  too instead of entering the data transfer alone.  After a timeout the guard is broken:
   later calls raise :class:`CommunicatorBrokenError`.  Nothing in this path
   blocks: every receive follows a matched probe and every send is
   non-blocking and small.
