@@ -163,9 +163,10 @@ class DistributedIterator:
     ``experimental_per_replica_buffer_size``, already on the devices), which stay
     there until handed out; so agreement is amortised over at most that many
     steps: raise the buffer size, or use 0 (no thread), for input-bound
-    multi-rank pipelines. A rank never promises a
-    step it has not read, so iteration ends, and a read error is raised on every
-    rank, at exactly the step where it would be with one agreement per step.
+    multi-rank pipelines. A single worker has nothing to agree on and reads no
+    further ahead than the buffer. A rank never promises a step it has not read,
+    so iteration ends, and a read error is raised on every rank, at exactly the
+    step where it would be with one agreement per step.
     """
 
     def __init__(self, make_steps: Callable[[], Iterator[List[Any]]], info: InputWorkerInfo, options: InputOptions,
@@ -185,7 +186,7 @@ class DistributedIterator:
         self._placer = placer
         buffer = options.experimental_per_replica_buffer_size
         self._producer: _Opt[BackgroundProducer] = None
-        self._window = AGREEMENT_WINDOW
+        self._window = AGREEMENT_WINDOW if self._comm is not None else 1
         self._target = 1
         if options.fetch_to_device and buffer > 0:
             # The thread runs at most `buffer` steps ahead and then blocks. A thread that is always busy
