@@ -220,3 +220,28 @@ def test_backend_table_is_extensible(comm):
     finally:
         backends.FACTORIES.clear(); backends.FACTORIES.update(saved[0])
         backends.PREFERENCES.clear(); backends.PREFERENCES.update(saved[1])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hot_path_allocates_no_arrays(rc):
+    import tracemalloc
+
+    arrays = [np.ones(100_000, np.float32), np.ones(50_000, np.float32), np.ones(10, np.float64)]
+
+    def step():
+        rc.allreduce(arrays, "sum")  # results dropped: their pooled arrays are free again
+        rc.allreduce(arrays[:1], "max")
+        rc.allreduce([a.copy() for a in arrays[1:]], "min", inplace=True)
+
+    for _ in range(3):
+        step()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(10):
+            step()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    # Only the test's own input copies (200 KB each step) may be allocated, not results or buckets.
+    assert peak < 50_000 * 4 + 100_000, peak
