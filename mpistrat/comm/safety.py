@@ -219,7 +219,7 @@ def format_mismatch(keys: Sequence[CallKey], seq: int) -> str:
 _LIVE: "weakref.WeakSet[AgreementGuard]" = weakref.WeakSet()
 _GUARD_COUNT = 0
 # What this process is waiting on, for answers to peers' queries:
-# (guard index, seq, description, since) or None.
+# (guard index, seq, call key, since) or None.
 _WAITING: tuple | None = None
 
 
@@ -340,13 +340,13 @@ class AgreementGuard:
             if req.Test():
                 return False
         previous = _WAITING
-        _WAITING = (self.index, self.seq, describe_call(key), start)
+        _WAITING = (self.index, self.seq, key, start)  # described only if a peer asks
         try:
             # Then poll with sched_yield (the CPU goes to ranks that compute, an
             # idle core polls on at once), answering queries every millisecond;
             # after _YIELD_SECONDS sleep between polls, backing off to 1 ms.
             yield_end = start + _YIELD_SECONDS
-            next_service = 0.0
+            next_service = start + 1e-3
             delay = 5e-5
             while True:
                 if req.Test():
@@ -382,7 +382,10 @@ class AgreementGuard:
             if qid[0] == self.index and qid[1] == self.abandoned_seq:
                 state = ("abandoned",)  # we arrived too, then timed out
             else:
-                state = None if _WAITING is None else (*_WAITING[:3], time.monotonic() - _WAITING[3])
+                waiting = _WAITING
+                state = None if waiting is None else (
+                    waiting[0], waiting[1], describe_call(waiting[2]), time.monotonic() - waiting[3]
+                )
             self._sends.append(self._query.isend((qid, state), dest=status.Get_source(), tag=_TAG_REPLY))
         self._sends = [r for r in self._sends if not r.Test()]
 
