@@ -162,3 +162,16 @@ def test_close_while_a_peer_is_in_a_collective(comm):
         c.close()  # the communicator is done for everyone: no collective clean-up, no hang
     with pytest.raises(CommunicatorBrokenError):
         c._guard.check(("barrier", (), ()), 1.0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_arrival_within_grace_period_completes_everywhere(rc, monkeypatch):
+    # Rank 1 arrives after the others' timeout but within their grace period:
+    # they see the collective complete, send RESOLVED, and everyone goes on.
+    monkeypatch.setenv("MPISTRAT_TIMEOUT_GRACE_SECONDS", "2.5")
+    if rc.rank == 1:
+        time.sleep(1.5)
+    out = rc.allreduce([np.full(3, rc.rank + 1.0)], "sum", CommunicationOptions(timeout_seconds=1.0))
+    np.testing.assert_array_equal(out[0], np.full(3, rc.size * (rc.size + 1) / 2))
+    assert rc.step_agreement(rc.rank).tolist() == list(range(rc.size))  # still usable

@@ -301,6 +301,10 @@ class AgreementGuard:
         late = False
         if not req.Test():
             late = self._wait(req, key, timeout)
+            if not late and time.time() * 1000 > send[2]:
+                # Completed just past our deadline, before noticing it: a peer
+                # that arrived after the deadline expects a verdict from us.
+                self._resolved([r for r in range(self.size) if r != self.rank])
         values = self._recv.tolist()
         # A peer whose deadline passed before we arrived has timed out: it
         # sends a verdict (RESOLVED or ABANDON) that we must wait for.
