@@ -105,6 +105,13 @@ def test_results_not_overwritten_by_later_calls(rc):
     np.testing.assert_array_equal(first, total)
     np.testing.assert_array_equal(first_list[0], total)
     np.testing.assert_array_equal(first_list[1], 2.0 * rc.size)
+    # A large single array (it may go through the shared-memory backend).
+    big = np.full(300_000, rc.rank + 1.0, np.float32)
+    big_first = rc.allreduce([big], "sum")[0]
+    big_later = rc.allreduce([big * 2], "sum")[0]
+    np.testing.assert_array_equal(big_first, np.float32(total))
+    np.testing.assert_array_equal(big_later, np.float32(2 * total))
+    np.testing.assert_array_equal(big, rc.rank + 1.0)
     # A dropped result may be recycled, but a view of one pins it.
     view = rc.allreduce([x], "sum")[0][:10]
     rc.allreduce([x * 5], "sum")
