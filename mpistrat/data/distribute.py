@@ -194,13 +194,12 @@ class DistributedIterator:
             # costs up to the interpreter's switch interval (5 ms) per step; so depth = buffer, and agreement
             # is amortised over at most `buffer` steps (raise it, or use 0 for host read-ahead without a
             # thread, for input-bound multi-rank pipelines). Device memory: at most buffer + 1 steps ahead.
-            self._window, depth, max_bytes = buffer, buffer, None
+            self._window = buffer
 
             def produce() -> Iterator[List[Any]]:
                 return (placer(values) for values in make_steps())
 
-            self._producer = BackgroundProducer(produce, depth, name=f"mpistrat-input-{rank_label().replace(' ', '')}",
-                                                max_bytes=max_bytes, size_fn=_nbytes)
+            self._producer = BackgroundProducer(produce, buffer, name=f"mpistrat-input-{rank_label().replace(' ', '')}")
             self._source: Iterator = self._producer
         else:
             self._source = make_steps()  # placed on hand-out, so read-ahead stays on the host
