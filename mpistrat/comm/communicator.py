@@ -10,7 +10,7 @@ also carries per-rank sizes or codes where a call needs them), honouring
   ``bytes_per_pack`` (:mod:`~mpistrat.comm.fusion`), one MPI call per
   bucket through the first enabled backend (:mod:`~mpistrat.comm.backends`).
   A bucket holding one contiguous array goes straight to MPI (no packing)
-  when MPI is the chosen backend; one array below 1 MiB always does.
+  when reduced in place or below 1 MiB (else the backend table chooses).
   Plans, buckets and result arrays are cached per call signature, so the
   hot path allocates nothing for shapes it has seen; results handed out are
   never overwritten by later calls (see :class:`~mpistrat.comm.fusion.ResultPool`).
@@ -46,10 +46,11 @@ _HOST, _CUPY, _CAI = 0, 1, 2
 _KIND_NAMES = {_HOST: "NumPy", _CUPY: "CuPy", _CAI: "__cuda_array_interface__"}
 _SCALARS = (int, float, complex, np.generic)
 _PLAN_CACHE_MAX = 512
-# A bucket holding one array smaller than this goes straight to plain MPI;
-# from this size the backend table chooses for it too: copying into the
-# node shared-memory window and reducing there beat MPICH's Allreduce at
-# 1-64 MiB here (4 ranks: 1.1-1.5x; send/receive form 0.9-1.5x at 2 ranks).
+# A bucket holding one array goes straight to plain MPI when reduced in place
+# (no copy at all) or when smaller than this. A result in a new array needs a
+# copy anyway, so from this size the backend table chooses: copying into the
+# node shared-memory window and reducing there beat MPICH's send/receive
+# Allreduce at 1-64 MiB here (about 1.1-1.6x at 2 and 4 ranks).
 SINGLE_ARRAY_BACKEND_MIN_BYTES = 1 << 20
 _DTYPE_STR: dict = {}  # dtype -> dtype.str (the attribute builds a new string on every access)
 
@@ -240,9 +241,11 @@ class RankCommunicator:
                 )
         return tuple(sig), (tuple(kinds) if kinds is not None else None), None
 
-    def _plan(self, h: int, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[_Step]:
+    def _plan(
+        self, h: int, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int, inplace: bool = False
+    ) -> list[_Step]:
         # h, the call's fingerprint, stands for (op, sig): a cheap dictionary key.
-        cache_key = (h, kinds, pack_bytes)
+        cache_key = (h, kinds, pack_bytes, inplace)
         steps = self._plans.get(cache_key)
         if steps is not None:
             return steps
@@ -273,8 +276,8 @@ class RankCommunicator:
                 ]
             for b in buckets:
                 if kind == _HOST:
-                    if len(b.members) == 1 and b.nbytes < SINGLE_ARRAY_BACKEND_MIN_BYTES:
-                        backend = self._host_backends[-1]  # one small array: straight to plain MPI
+                    if len(b.members) == 1 and (inplace or b.nbytes < SINGLE_ARRAY_BACKEND_MIN_BYTES):
+                        backend = self._host_backends[-1]  # one array: straight to plain MPI
                     else:  # the first enabled backend (shared memory, MPI); MPI takes one array unpacked
                         backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
                     xp = np
@@ -320,7 +323,7 @@ class RankCommunicator:
             self._guard.check(key, timeout, 0, h)
         elif self._closed:
             raise RuntimeError("RankCommunicator used after close()")
-        steps = self._plan(h, sig, kinds, opname, pack_bytes)
+        steps = self._plan(h, sig, kinds, opname, pack_bytes, inplace)
         if self.size == 1:
             if inplace:
                 return arrays
