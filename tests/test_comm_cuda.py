@@ -115,3 +115,16 @@ def test_pinned_staging_reuses_buffers():
     b = staging.get(50, np.float32)
     assert a.ctypes.data == b.ctypes.data  # same pinned memory, no new allocation
     staging.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_host_on_one_rank_device_on_another_is_a_mismatch(comm, monkeypatch):
+    # Buckets are planned per kind, so kinds must agree across ranks: a clear error, not garbage.
+    from mpistrat.comm.safety import CollectiveMismatchError
+
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    with RankCommunicator(comm) as rc:
+        a = np.ones(4, np.float32)
+        item = HostCudaArray(a) if rc.rank == 0 else a
+        with pytest.raises(CollectiveMismatchError, match=r"array kinds .*rank 0 sent \[\(4,\), float32, CUDA buffer\]"):
+            rc.allreduce([item], "sum", inplace=True)

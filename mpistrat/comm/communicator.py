@@ -211,7 +211,7 @@ class RankCommunicator:
                 sig.append((a.shape, a.dtype.str))
                 kinds.append(_HOST)
             elif is_cupy_array(a):
-                sig.append((tuple(a.shape), a.dtype.str))
+                sig.append((tuple(a.shape), a.dtype.str, "CuPy"))
                 kinds.append(_CUPY)
             elif is_device_buffer(a):
                 shape, dtype, contiguous = _cai_info(a)
@@ -227,7 +227,7 @@ class RankCommunicator:
                         f"allreduce: array #{i} ({type(a).__name__}) is device memory and this MPI is not "
                         "CUDA-aware (set MPISTRAT_CUDA_AWARE=1 if it is); use CuPy arrays for host staging"
                     )
-                sig.append((shape, dtype.str))
+                sig.append((shape, dtype.str, "CUDA buffer"))
                 kinds.append(_CAI)
             elif isinstance(a, _SCALARS) and not isinstance(a, bool):
                 if inplace:
@@ -250,8 +250,8 @@ class RankCommunicator:
         if steps is not None:
             return steps
         op = normalize_op(op)
-        for i, (_, code) in enumerate(sig):
-            dtype = np.dtype(code)
+        for i, entry in enumerate(sig):
+            dtype = np.dtype(entry[1])
             if dtype.kind not in "iufc":
                 raise TypeError(
                     f"allreduce: array #{i} has dtype {dtype}; supported are integer, float and complex dtypes"
@@ -267,9 +267,9 @@ class RankCommunicator:
                 continue
             if kind == _CAI:
                 # One direct call per buffer: nothing to pack them with.
-                buckets = [self._single_bucket(i, sig[i]) for i in index]
+                buckets = [self._single_bucket(i, sig[i][:2]) for i in index]
             else:
-                sub = plan_buckets([sig[i] for i in index], pack_bytes)
+                sub = plan_buckets([sig[i][:2] for i in index], pack_bytes)
                 buckets = [
                     Bucket(b.dtype, b.count, tuple(index[m] for m in b.members), b.offsets, b.sizes, b.shapes)
                     for b in sub
@@ -443,8 +443,8 @@ class RankCommunicator:
                 error = TypeError("broadcast: buffers with only __cuda_array_interface__ are not supported")
         key = ("broadcast", (("root", int(root) if error is None else repr(root)),), sig)
         self._agree_or_raise(key, error, timeout)
-        for i, (_, code) in enumerate(sig):
-            mpi_datatype(np.dtype(code))
+        for entry in sig:
+            mpi_datatype(np.dtype(entry[1]))
         if self.size == 1:
             return [a.copy() for a in arrays]
         kinds_list = kinds if kinds is not None else (_HOST,) * len(sig)

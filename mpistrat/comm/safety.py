@@ -151,8 +151,9 @@ def _dtype_name(code: str) -> str:
 
 
 def _format_array(entry: tuple) -> str:
-    shape, dtype = entry
-    return f"{tuple(shape)}, {_dtype_name(dtype)}"
+    # (shape, dtype string) for host arrays, plus a kind name for device ones.
+    text = f"{tuple(entry[0])}, {_dtype_name(entry[1])}"
+    return text + (f", {entry[2]}" if len(entry) > 2 else "")
 
 
 def _format_arrays(arrays: tuple, focus: int | None = None, limit: int = 6) -> str:
@@ -209,7 +210,10 @@ def format_mismatch(keys: Sequence[CallKey], seq: int) -> str:
     focus = next(i for i in range(len(arrays[0])) if len({a[i] for a in arrays}) > 1)
     dtypes_differ = len({a[focus][1] for a in arrays}) > 1
     shapes_differ = len({a[focus][0] for a in arrays}) > 1
-    what = "shapes and dtypes" if dtypes_differ and shapes_differ else ("dtypes" if dtypes_differ else "shapes")
+    if dtypes_differ or shapes_differ:
+        what = "shapes and dtypes" if dtypes_differ and shapes_differ else ("dtypes" if dtypes_differ else "shapes")
+    else:
+        what = "array kinds (host/device)"
     parts = [f"{_ranks(r)} sent {_format_arrays(a, focus)}" for a, r in _group(arrays)]
     return f"Mismatched {kind} {what} {where}: " + "; ".join(parts)
 
