@@ -111,11 +111,11 @@ def test_timeout_names_the_missing_rank(rc):
     if rc.rank == late:
         assert info.value.abandoned_by == [r for r in range(rc.size) if r != late]
         assert "was abandoned before rank 1 arrived" in text
-        assert waited < 5
+        assert waited < 10  # bounded: the verdict wait is grace-limited
     else:
         assert info.value.missing_ranks == [late]
         assert "rank 1 never arrived" in text and "did not answer" in text and "timeout_seconds=1" in text
-        assert 1.0 <= waited < 5
+        assert 1.0 <= waited < 10
     with pytest.raises(CommunicatorBrokenError, match="timed out earlier"):
         rc.barrier()
 
