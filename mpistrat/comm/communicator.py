@@ -38,6 +38,7 @@ from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, G
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
 from .fusion import Bucket, ResultPool, pack, plan_buckets
 from .options import CommunicationOptions
+from .. import timeline
 from .safety import AgreementGuard, CallKey, CollectiveError, fingerprint
 
 __all__ = ["RankCommunicator", "normalize_op"]
@@ -151,6 +152,7 @@ class RankCommunicator:
         self._device_backend: DeviceMpiAllreduceBackend | None = None
         self._plans: dict[Any, list[_Step]] = {}
         self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
+        self._check_span = (0.0, 0.0)  # timeline: the last check's (start, end)
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -161,12 +163,27 @@ class RankCommunicator:
         merged = self.options.merge(options)
         return merged.timeout(), merged.pack_bytes()
 
-    def _check(self, key: CallKey, timeout: float, aux: int = 0) -> np.ndarray | None:
-        if self._closed:
-            raise RuntimeError("RankCommunicator used after close()")
+    def _check(self, key: CallKey, timeout: float, aux: int = 0, h: int | None = None) -> np.ndarray | None:
         if self._guard is None:
+            if self._closed:
+                raise RuntimeError("RankCommunicator used after close()")
             return None
-        return self._guard.check(key, timeout, aux)
+        if not timeline.enabled():
+            return self._guard.check(key, timeout, aux, h)
+        t0 = timeline.now_us()
+        try:
+            return self._guard.check(key, timeout, aux, h)
+        finally:
+            t1 = timeline.now_us()
+            self._check_span = (t0, t1)
+            timeline.record("check", "check", t0, t1 - t0, call=key[0], seq=self._guard.seq)
+
+    def _record(self, name: str, t0: float, nbytes: int, **args: Any) -> None:
+        """A ``collective`` timeline event from ``t0`` to now (wait = the check)."""
+        t2 = timeline.now_us()
+        c0, c1 = self._check_span if self._check_span[0] >= t0 else (t0, t0)
+        timeline.record(name, "collective", t0, t2 - t0, bytes=nbytes, wait_us=c1 - c0,
+                        transfer_us=t2 - c1, ranks=self.size, **args)
 
     def _agree_or_raise(self, key: CallKey, error: Exception | None, timeout: float, aux: int = 0) -> np.ndarray | None:
         """Run the check; a local error travels in the key so every rank raises."""
@@ -319,11 +336,19 @@ class RankCommunicator:
         if error is not None:
             self._agree_or_raise(key, error, timeout)
         h = fingerprint(key)
-        if self._guard is not None:
-            self._guard.check(key, timeout, 0, h)
-        elif self._closed:
-            raise RuntimeError("RankCommunicator used after close()")
+        traced = timeline.enabled()
+        t0 = timeline.now_us() if traced else 0.0
+        self._check(key, timeout, 0, h)
         steps = self._plan(h, sig, kinds, opname, pack_bytes, inplace)
+        if traced:
+            try:
+                return self._allreduce_steps(steps, arrays, opname, inplace)
+            finally:
+                nbytes = sum(s.bucket.nbytes for s in steps)
+                self._record("allreduce", t0, nbytes, op=opname, arrays=len(arrays), buckets=len(steps))
+        return self._allreduce_steps(steps, arrays, opname, inplace)
+
+    def _allreduce_steps(self, steps: list[_Step], arrays: list, opname: str, inplace: bool) -> list:
         if self.size == 1:
             if inplace:
                 return arrays
