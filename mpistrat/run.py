@@ -67,7 +67,9 @@ def _abort_on_exit(exc: SystemExit) -> None:
         f"{MPI.COMM_WORLD.Get_size()} ranks (MPI_Abort).\n"
     )
     sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(code)
+    from mpistrat.comm.safety import abort_world  # noqa: PLC0415
+
+    abort_world(code)
 
 
 if __name__ == "__main__":

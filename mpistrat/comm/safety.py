@@ -68,6 +68,7 @@ __all__ = [
     "fingerprint",
     "install_abort_on_exception",
     "abort_hook_installed",
+    "abort_world",
     "GRACE_ENV",
     "NO_ABORT_HOOK_ENV",
 ]
@@ -574,9 +575,15 @@ def _report_and_abort(exc_type: type, exc: BaseException | None, tb: Any, where:
         pass
     sys.stderr.write(head + "".join(prefix + line + "\n" for line in lines))
     sys.stderr.flush()
-    code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
-    MPI.COMM_WORLD.Abort(code)
+    abort_world(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
     return True
+
+
+def abort_world(code: int) -> None:
+    """``MPI.COMM_WORLD.Abort(code)`` after a short pause, so the launcher can
+    forward what this rank just wrote before it kills the job."""
+    time.sleep(0.2)
+    MPI.COMM_WORLD.Abort(code)
 
 
 def install_abort_on_exception() -> bool:
