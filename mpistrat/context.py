@@ -20,8 +20,7 @@ __all__ = [
     "get_replica_context",
     "get_cross_replica_context",
     "experimental_set_strategy",
-    "current_local_replica_id",
-    "update_replica_id",
+    "local_replica_id_of",
 ]
 
 
@@ -125,24 +124,21 @@ def get_cross_replica_context() -> Any:
     return frame.strategy if frame.cross_replica else None
 
 
-def current_local_replica_id() -> int | None:
-    """The local replica index whose copy reads/updates should use, or None for the primary.
+def local_replica_id_of(strategy: Any) -> int | None:
+    """The local copy of ``strategy``'s distributed variables that reads and writes use here.
 
-    Inside ``run`` it is the running replica's local index; inside
-    ``extended.update`` it is the copy being updated.
+    Inside ``strategy.run`` it is the running replica's local index, inside
+    ``strategy.extended.update`` the copy being updated; anywhere else
+    (cross-replica context, no strategy in scope, another strategy's replica)
+    None, meaning "the variable as a whole".
     """
     frame = current_frame()
+    if frame.strategy is not strategy:
+        return None
     if frame.update_replica is not None:
         return frame.update_replica
     ctx = frame.replica_context
-    if ctx is None:
-        return None
-    return getattr(ctx, "_local_replica_id", None)
-
-
-def update_replica_id() -> int | None:
-    """The local copy being updated inside ``extended.update``, else None."""
-    return current_frame().update_replica
+    return None if ctx is None else ctx._local_replica_id
 
 
 def experimental_set_strategy(strategy: Any) -> None:

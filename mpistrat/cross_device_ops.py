@@ -85,17 +85,26 @@ class CrossDeviceOps:
 
     def __init__(self) -> None:
         self._communicator = None
-        self._num_replicas_in_sync: int | None = None
+        self._bound = False
         self.check_numerics = os.environ.get(CHECK_NUMERICS_ENV, "") not in ("", "0")
 
     # -- wiring done by the strategy ------------------------------------------------
-    def _bind(self, communicator: Any, num_replicas_in_sync: int) -> None:
-        """Attach the cross-rank communicator (None for one process) and the global replica count."""
+    def _bind(self, communicator: Any) -> None:
+        """Attach the cross-rank communicator (None within one process).
+
+        Several single-process strategies may share one object; one bound to
+        a communicator belongs to that strategy alone.
+        """
+        if self._bound and communicator is not self._communicator:
+            raise ValueError(f"This {type(self).__name__} already serves a strategy over other MPI ranks; "
+                             "give each strategy its own CrossDeviceOps.")
         self._communicator = communicator
-        self._num_replicas_in_sync = num_replicas_in_sync
+        self._bound = True
 
     def _global_count(self, num_local: int) -> int:
-        return self._num_replicas_in_sync or num_local
+        """Replicas taking part in a reduction: the local ones on every rank."""
+        comm = self._communicator
+        return num_local * (comm.size if comm is not None else 1)
 
     # -- local primitives, overridden by backends -----------------------------------
     def _local_reduce(self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str]) -> Any:

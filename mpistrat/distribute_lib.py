@@ -20,8 +20,8 @@ from mpistrat import context, nest, timeline
 from mpistrat import devices as dev
 from mpistrat.context import Frame
 from mpistrat.cross_device_ops import CrossDeviceOps, select_cross_device_ops
-from mpistrat.regroup import contains_distributed, local_values, regroup, select_replica
-from mpistrat.replica_group import ReplicaGroup
+from mpistrat.regroup import contains_distributed, local_values, regroup, select_component, select_replica
+from mpistrat.replica_group import Rendezvous, ReplicaGroup
 from mpistrat.values import DistributedValues, Mirrored, PerReplica, ReduceOp
 
 __all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "ValueContext", "RunOptions"]
@@ -60,29 +60,58 @@ class RunOptions:
         self.experimental_xla_options = experimental_xla_options
 
 
-def _reduce_along(op: ReduceOp, x: Any, axis: int) -> Any:
+def _normalize_axis(axis: "int | Sequence[int]", ndim: int) -> tuple[int, ...]:
+    """``axis`` (an int or a sequence of ints) as a tuple of distinct non-negative axes of an ``ndim`` array."""
+    axes = tuple(axis) if isinstance(axis, (list, tuple)) else (axis,)
+    out = []
+    for a in axes:
+        if not isinstance(a, (int, np.integer)) or isinstance(a, bool):
+            raise TypeError(f"axis must be an int or a sequence of ints, got {axis!r}")
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for a value of rank {ndim}")
+        out.append(int(a) % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"axis {axis!r} names an axis twice")
+    return tuple(out)
+
+
+def _reduce_along(op: ReduceOp, x: Any, axis: "int | Sequence[int]") -> Any:
+    """Reduce ``x`` along ``axis`` with SUM, MIN or MAX (an empty axis gives MIN/MAX's identity)."""
     xp = dev.array_module(dev.device_of(x))
     x = xp.asarray(x)
+    axes = _normalize_axis(axis, x.ndim)
     if op is ReduceOp.SUM:
-        return x.sum(axis=axis)
-    if x.shape[axis] == 0:  # an empty batch contributes the identity of MIN/MAX
-        shape = x.shape[:axis] + x.shape[axis + 1:]
+        return x.sum(axis=axes)
+    if any(x.shape[a] == 0 for a in axes):  # an empty batch contributes the identity of MIN/MAX
+        shape = tuple(n for a, n in enumerate(x.shape) if a not in axes)
         if x.dtype.kind == "f":
             fill = np.inf if op is ReduceOp.MIN else -np.inf
         else:
             info = np.iinfo(x.dtype)
             fill = info.max if op is ReduceOp.MIN else info.min
         return xp.full(shape, fill, dtype=x.dtype)
-    return x.min(axis=axis) if op is ReduceOp.MIN else x.max(axis=axis)
+    return x.min(axis=axes) if op is ReduceOp.MIN else x.max(axis=axes)
+
+
+def _sum_and_count(x: Any, axis: "int | Sequence[int]") -> tuple:
+    """``x``'s sum along ``axis`` and the number of elements summed (for a global MEAN)."""
+    xp = dev.array_module(dev.device_of(x))
+    x = xp.asarray(x)
+    axes = _normalize_axis(axis, x.ndim)
+    total = x.sum(axis=axes)
+    count = int(np.prod([x.shape[a] for a in axes]))
+    return total, xp.asarray(count, dtype=total.dtype if total.dtype.kind in "fc" else np.float64)
 
 
 class ReplicaContext:
     """The context of one replica inside ``Strategy.run``."""
 
-    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, local_replica_id: int = 0):
+    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, local_replica_id: int = 0,
+                 rendezvous: Rendezvous | None = None):
         self._strategy = strategy
         self._replica_id_in_sync_group = replica_id_in_sync_group
         self._local_replica_id = local_replica_id
+        self._rendezvous = rendezvous if rendezvous is not None else Rendezvous(1)
 
     @property
     def strategy(self) -> "Strategy":
@@ -105,7 +134,20 @@ class ReplicaContext:
         return (self._strategy.extended._local_devices[self._local_replica_id],)
 
     def _meet(self, kind: str, payload: Any, fn: Callable[[list], Sequence[Any]]) -> Any:
-        return self._strategy.extended._group.rendezvous.meet(self._local_replica_id, kind, payload, fn)
+        return self._rendezvous.meet(self._local_replica_id, kind, payload, fn)
+
+    def _require_current(self) -> None:
+        """Raise unless this context is the current one (TF's ``require_replica_context``)."""
+        frame = context.current_frame()
+        if frame.replica_context is self:
+            return
+        if frame.replica_context is None:
+            raise RuntimeError("Need to be inside `call_for_each_replica()`: this ReplicaContext was used in "
+                               "cross-replica context (e.g. captured and called from a merge_call's merge_fn).")
+        if frame.strategy is self._strategy:
+            raise RuntimeError("Mismatching ReplicaContext: a ReplicaContext was used outside the replica it "
+                               "belongs to; call mpistrat.get_replica_context() in the replica function instead.")
+        raise RuntimeError(f"Mismatching tf.distribute.Strategy objects: {frame.strategy} is not {self._strategy}.")
 
     def merge_call(self, merge_fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
         """Pause all replicas, run ``merge_fn(strategy, *args)`` once in cross-replica context.
@@ -113,28 +155,27 @@ class ReplicaContext:
         Arguments are regrouped (``PerReplica`` where replicas passed different
         values); each replica gets its own component of the result.
         """
+        self._require_current()
         kwargs = kwargs or {}
         strategy = self._strategy
-        if context.in_cross_replica_context():
-            raise RuntimeError("merge_call called while defining a new graph or a tf.function. "
-                               "This can happen if the function `fn` passed to `strategy.run()` is nested inside "
-                               "a merge function; merge_call is only allowed in replica context.")
 
         def run_merge(payloads: list) -> list:
-            grouped_args = regroup([p[0] for p in payloads]) if payloads[0][0] else ()
-            grouped_kwargs = regroup([p[1] for p in payloads]) if payloads[0][1] else {}
+            # As tf.distribute: replica 0's merge_fn runs, with every replica's arguments regrouped.
+            grouped_args, grouped_kwargs = regroup([(p[1], p[2]) for p in payloads],
+                                                   what="passed merge_call arguments")
             frame = Frame(strategy, None)
             context.push(frame)
             try:
-                result = merge_fn(strategy, *grouped_args, **grouped_kwargs)
+                result = payloads[0][0](strategy, *grouped_args, **grouped_kwargs)
             finally:
                 context.pop(frame)
             return [select_replica(i, result) for i in range(len(payloads))]
 
-        return self._meet("merge_call", (tuple(args), dict(kwargs)), run_merge)
+        return self._meet("merge_call", (merge_fn, tuple(args), dict(kwargs)), run_merge)
 
     def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
         """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""
+        self._require_current()
         op = ReduceOp.from_string(reduce_op)
         if contains_distributed(value):
             raise ValueError("all_reduce in replica context takes this replica's values; got a DistributedValues "
@@ -143,25 +184,30 @@ class ReplicaContext:
         flat = nest.flatten(value)
 
         def run_reduce(payloads: list) -> list:
-            _check_same_leaves("all_reduce", payloads)
-            return ext._cross_device_ops.batch_all_reduce(op, payloads, ext._local_devices, options)
+            _check_agree("all_reduce", "reduce ops", [p[0].name for p in payloads])
+            leaves = [p[1] for p in payloads]
+            _check_same_leaves("all_reduce", leaves)
+            return ext._cross_device_ops.batch_all_reduce(op, leaves, ext._local_devices, options)
 
-        reduced = self._meet("all_reduce", flat, run_reduce)
+        reduced = self._meet("all_reduce", (op, flat), run_reduce)
         return nest.pack_sequence_as(value, reduced)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenate every replica's ``value`` along ``axis``, in global replica order."""
+        self._require_current()
         if contains_distributed(value):
             raise ValueError("all_gather in replica context takes this replica's values, not a DistributedValues.")
         ext = self._strategy.extended
         flat = nest.flatten(value)
 
         def run_gather(payloads: list) -> list:
-            _check_same_leaves("all_gather", payloads)
-            gathered = [ext._gather_leaf([p[j] for p in payloads], axis, options) for j in range(len(payloads[0]))]
+            _check_agree("all_gather", "axes", [p[0] for p in payloads])
+            leaves = [p[1] for p in payloads]
+            _check_same_leaves("all_gather", leaves)
+            gathered = [ext._gather_leaf([p[j] for p in leaves], axis, options) for j in range(len(leaves[0]))]
             return [[dev.to_device(g, d, copy=i > 0) for g in gathered] for i, d in enumerate(ext._local_devices)]
 
-        return nest.pack_sequence_as(value, self._meet("all_gather", flat, run_gather))
+        return nest.pack_sequence_as(value, self._meet("all_gather", (axis, flat), run_gather))
 
     def __repr__(self) -> str:
         return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, strategy={self._strategy!r})"
@@ -173,35 +219,46 @@ def _check_same_leaves(kind: str, payloads: list) -> None:
         raise ValueError(f"Replicas passed structures with different numbers of values to {kind}: {counts}")
 
 
+def _check_agree(kind: str, what: str, per_replica: list) -> None:
+    """Raise naming every replica's choice when the local replicas passed different ``what`` to ``kind``."""
+    if any(v != per_replica[0] for v in per_replica[1:]):
+        detail = ", ".join(f"replica {i}: {v!r}" for i, v in enumerate(per_replica))
+        raise ValueError(f"Replicas called {kind} with different {what} ({detail}); every replica must pass "
+                         "the same one.")
+
+
 class _StrategyScope:
     """Context manager returned by ``Strategy.scope()`` (TF's nesting rules)."""
 
     def __init__(self, strategy: "Strategy"):
         self._strategy = strategy
-        self._frame: Frame | None = None
+        self._frames: list[Frame | None] = []  # one entry per __enter__ (None: nothing was pushed)
 
     def __enter__(self) -> "Strategy":
         strategy = self._strategy
+        frame = None
         if strategy.extended._is_default:
             if context.has_strategy():
                 raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
-            return strategy
-        if context.has_strategy():
-            frame = context.current_frame()
-            if frame.strategy is not strategy:
-                raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {frame.strategy} is not {strategy}")
-            if not frame.cross_replica:
+        elif context.has_strategy():
+            current = context.current_frame()
+            if current.strategy is not strategy:
+                raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {current.strategy} is not "
+                                   f"{strategy}")
+            if not current.cross_replica:
                 raise RuntimeError("Method requires being in cross-replica context, use "
                                    "get_replica_context().merge_call()")
-            return strategy  # re-entering the same strategy's scope is allowed
-        self._frame = Frame(strategy, None)
-        context.push(self._frame)
+            # re-entering the same strategy's scope is allowed and changes nothing
+        else:
+            frame = Frame(strategy, None)
+            context.push(frame)
+        self._frames.append(frame)
         return strategy
 
     def __exit__(self, *exc: Any) -> None:
-        if self._frame is not None:
-            context.pop(self._frame)
-            self._frame = None
+        frame = self._frames.pop()
+        if frame is not None:
+            context.pop(frame)
 
 
 class StrategyExtended:
@@ -226,7 +283,7 @@ class StrategyExtended:
         self._num_workers = num_workers
         self._host_device = dev.host_device(task=worker_index, job=job)
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._local_devices)
-        self._cross_device_ops._bind(communicator, self.num_replicas_in_sync)
+        self._cross_device_ops._bind(communicator)
         self._group = ReplicaGroup(self._num_local)
         weakref.finalize(self, self._group.close)  # stop replica threads with the strategy
 
@@ -285,15 +342,22 @@ class StrategyExtended:
         """Run ``fn`` once per local replica in its replica context; regroup the results."""
         kwargs = kwargs or {}
         strategy = self._container_strategy()
-        frames = [[Frame(strategy, ReplicaContext(strategy, self._global_replica_id(i), i))]
-                  for i in range(self._num_local)]
-        if (args or kwargs) and contains_distributed((args, kwargs)):
-            self._check_distributed_args((args, kwargs))
-            call_args = [(tuple(select_replica(i, list(args))), select_replica(i, kwargs))
-                         for i in range(self._num_local)]
-        else:
-            call_args = [(tuple(args), kwargs)] * self._num_local
-        return regroup(self._group.run(fn, frames, self._device_scopes(), call_args))
+        # A run from inside a step (a merge_fn calling strategy.run) gets replica threads of its own.
+        nested = self._group.in_step()
+        group = ReplicaGroup(self._num_local) if nested else self._group
+        try:
+            frames = [[Frame(strategy, ReplicaContext(strategy, self._global_replica_id(i), i, group.rendezvous))]
+                      for i in range(self._num_local)]
+            if (args or kwargs) and contains_distributed((args, kwargs)):
+                self._check_distributed_args((args, kwargs))
+                call_args = [(tuple(select_replica(i, list(args))), select_replica(i, kwargs))
+                             for i in range(self._num_local)]
+            else:
+                call_args = [(tuple(args), kwargs)] * self._num_local
+            return regroup(group.run(fn, frames, self._device_scopes(), call_args))
+        finally:
+            if nested:
+                group.close()
 
     def _device_scopes(self) -> list:
         return [self._device_scope(d) for d in self._local_devices]
@@ -337,10 +401,7 @@ class StrategyExtended:
                         options: Any = None) -> list:
         """Several ``reduce_to`` in one fused cross-replica reduction."""
         op = ReduceOp.from_string(reduce_op)
-        context_strategy = context.get_strategy()
-        if context.has_strategy() and context_strategy is not self._container_strategy():
-            raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {context_strategy} is not "
-                               f"{self._container_strategy()}")
+        self._require_cross_replica_or_default_context()
         results: list[Any] = [None] * len(value_destination_pairs)
         pending: list[tuple[int, PerReplica, Any]] = []
         for k, (value, destinations) in enumerate(value_destination_pairs):
@@ -356,6 +417,18 @@ class StrategyExtended:
             for (k, _, _), r in zip(pending, reduced):
                 results[k] = r
         return results
+
+    def _require_cross_replica_or_default_context(self) -> None:
+        """Raise inside a replica of this strategy, or in another strategy's scope (TF's rule)."""
+        if not context.has_strategy():
+            return
+        frame = context.current_frame()
+        if frame.strategy is not self._container_strategy():
+            raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {frame.strategy} is not "
+                               f"{self._container_strategy()}")
+        if not frame.cross_replica:
+            raise RuntimeError("Method requires being in cross-replica context, use "
+                               "get_replica_context().merge_call()")
 
     def _reduce(self, reduce_op: ReduceOp, value: Any) -> Any:
         return self.reduce_to(reduce_op, value, self._host_device)
@@ -381,14 +454,30 @@ class StrategyExtended:
     # -- variables --------------------------------------------------------------------
     def update(self, var: Any, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None,
                group: bool = True) -> Any:
-        """Run ``fn(copy, *args)`` on every local copy of ``var`` (in cross-replica context)."""
+        """Run ``fn(copy, *args, **kwargs)`` on every local copy of ``var``, as tf.distribute.
+
+        In cross-replica context (or with no strategy in scope) each copy is
+        updated on its device, with distributed arguments taken apart per
+        copy. Inside a replica of this strategy the update goes through
+        ``merge_call`` (all replicas must call it). With ``group=True`` the
+        results are regrouped (the copies of a variable become the variable, a
+        result shared by every copy is returned as is, others become a
+        ``Mirrored``); with ``group=False`` each result is a tuple of the
+        per-copy results.
+        """
         kwargs = kwargs or {}
-        if context.get_replica_context() is not None and not self._is_default:
-            raise RuntimeError("Method requires being in cross-replica context, use get_replica_context().merge_call()")
+        if not self._is_default:
+            replica_ctx = context.get_replica_context()
+            if replica_ctx is not None and replica_ctx.strategy is self._container_strategy():
+                return replica_ctx.merge_call(
+                    lambda strategy, *a, **kw: strategy.extended.update(var, fn, a, kw, group), args=args,
+                    kwargs=kwargs)
+            self._require_cross_replica_or_default_context()
         strategy = self._container_strategy()
         if not isinstance(var, DistributedValues):
             with self._device_scope(getattr(var, "device", self._host_device)):
-                return fn(var, *args, **kwargs)
+                result = fn(var, *args, **kwargs)
+            return result if group else nest.map_structure(lambda r: (r,), result)
         results = []
         for i, component in enumerate(var.values):
             frame = Frame(strategy, None, update_replica=i)
@@ -398,17 +487,14 @@ class StrategyExtended:
                     results.append(fn(component, *select_replica(i, list(args)), **select_replica(i, kwargs)))
             finally:
                 context.pop(frame)
-        if not group:
-            return Mirrored(results) if len(results) > 1 else results[0]
-        if all(r is None for r in results):
-            return None
-        if all(r is results[0] for r in results) or len(results) == 1:
-            return results[0] if len(results) == 1 or all(r is results[0] for r in results) else Mirrored(results)
-        return Mirrored(results)
+        if group:
+            return regroup(results, Mirrored)
+        return nest.map_structure(lambda leaf: tuple(leaf.values), regroup(results, Mirrored, always_wrap=True))
 
     def value_container(self, value: Any) -> Any:
-        """The distributed variable holding ``value`` (or ``value``)."""
-        return getattr(value, "_distributed_container", value)
+        """The distributed variable holding ``value`` when it is one of its copies, else ``value``."""
+        container = getattr(value, "_distributed_container", None)
+        return value if container is None else container
 
     def read_var(self, var: Any) -> Any:
         """The variable's value in cross-replica context."""
@@ -496,22 +582,26 @@ class Strategy:
         """Reduce ``value`` across replicas (and along ``axis`` within each replica) to the host."""
         op = ReduceOp.from_string(reduce_op)
         with self.scope():
+            ext = self._extended
             if axis is None:
-                return self._extended._reduce(op, value)
+                return ext._reduce(op, value)
             if op is ReduceOp.MEAN:
-                def mean_parts(v: Any) -> tuple:
-                    xp = dev.array_module(dev.device_of(v))
-                    v = xp.asarray(v)
-                    numer = v.sum(axis=axis)
-                    return numer, xp.asarray(v.shape[axis], dtype=numer.dtype if numer.dtype.kind == "f" else np.float64)
-
-                numer, denom = self.run(mean_parts, args=(value,))
-                numer, denom = self._extended.batch_reduce_to(
-                    ReduceOp.SUM, [(numer, self._extended._host_device), (denom, self._extended._host_device)])
+                # The global mean along the axis: global sum / global count, not a mean of means.
+                numer, denom = self._per_replica(lambda v: _sum_and_count(v, axis), value)
+                numer, denom = ext.batch_reduce_to(
+                    ReduceOp.SUM, [(numer, ext._host_device), (denom, ext._host_device)])
                 numer = np.asarray(numer)
-                return numer / np.asarray(denom).astype(numer.dtype if numer.dtype.kind == "f" else np.float64)
-            per_replica = self.run(lambda v: _reduce_along(op, v, axis), args=(value,))
-            return self._extended._reduce(op, per_replica)
+                return numer / np.asarray(denom).astype(numer.dtype if numer.dtype.kind in "fc" else np.float64)
+            return ext._reduce(op, self._per_replica(lambda v: _reduce_along(op, v, axis), value))
+
+    def _per_replica(self, fn: Callable[[Any], Any], value: Any) -> Any:
+        """``fn`` applied to each local replica's part of ``value`` on its device, regrouped (no replica threads)."""
+        ext = self._extended
+        parts = []
+        for component, device in zip(local_values(value, ext._num_local), ext._local_devices):
+            with ext._device_scope(device):
+                parts.append(fn(_read(component)))
+        return regroup(parts)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's ``value`` along ``axis`` on the host (global replica order)."""
@@ -527,18 +617,22 @@ class Strategy:
         if isinstance(value, DistributedValues):
             return tuple(value.values)
         if nest.is_nested(value) and contains_distributed(value):
-            return tuple(select_replica(i, value) for i in range(self._extended._num_local))
+            return tuple(select_component(i, value) for i in range(self._extended._num_local))
         return (value,)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
-        """Call ``value_fn(ValueContext)`` for each local replica; a PerReplica of the results."""
+        """Call ``value_fn(ValueContext)`` for each local replica and regroup the results.
+
+        With several local replicas, every leaf of the (possibly nested)
+        result becomes a ``PerReplica``; with one, the value is returned as is.
+        """
         ext = self._extended
         values = []
         for i, device in enumerate(ext._local_devices):
             ctx = ValueContext(ext._global_replica_id(i), ext.num_replicas_in_sync)
             with ext._device_scope(device):
                 values.append(value_fn(ctx))
-        return values[0] if len(values) == 1 else PerReplica(values)
+        return values[0] if len(values) == 1 else regroup(values, always_wrap=True)
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Distribute a batched ``mpistrat.data.Dataset`` over the replicas (see mpistrat.data)."""

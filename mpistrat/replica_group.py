@@ -5,6 +5,10 @@ persistent thread for each other local replica and a ``Rendezvous`` where replic
 ``merge_call``. A replica that raises aborts the group: every replica waiting
 at a meeting point raises too, and ``run`` re-raises the original exception,
 so a failure never leaves threads waiting for ever.
+
+A group runs one step at a time. A ``strategy.run`` issued while one of the
+group's replicas is inside a step (from a ``merge_call``'s merge function)
+needs a group of its own: :meth:`ReplicaGroup.in_step` tells the strategy so.
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ class ReplicaGroup:
         self._results: list[Any] = [None] * num_local
         self._errors: list[BaseException | None] = [None] * num_local
         self._lock = threading.Lock()
+        self._in_step = threading.local()
 
     def _ensure_threads(self) -> None:
         if not self._threads:
@@ -165,9 +170,14 @@ class ReplicaGroup:
             for t in self._threads:
                 t.start()
 
+    def in_step(self) -> bool:
+        """Whether the calling thread is running one of this group's replicas right now."""
+        return getattr(self._in_step, "active", False)
+
     def _run_one(self, local_id: int, fn: Callable, frames: list, device_scope: Any, call_args: tuple) -> None:
         saved = context.thread_stack()
         context.set_thread_stack(saved + list(frames))
+        self._in_step.active = True
         try:
             with device_scope:
                 self._results[local_id] = fn(*call_args[0], **call_args[1])
@@ -176,6 +186,7 @@ class ReplicaGroup:
             self._errors[local_id] = exc
             self.rendezvous.abort(exc)
         finally:
+            self._in_step.active = False
             context.set_thread_stack(saved)
 
     def _worker_done(self) -> None:

@@ -7,7 +7,8 @@ one copy per local replica device. Assignment follows tf.distribute: inside
 ``strategy.run`` a mirrored variable aggregates the replicas' updates (its
 ``aggregation``) and applies the same update to every copy; a sync-on-read
 variable updates only the replica's own copy and aggregates when read in
-cross-replica context.
+cross-replica context. A distributed variable used with no strategy in scope
+behaves as in its strategy's cross-replica context (TF enters the strategy).
 
 Assignments replace a copy's array rather than writing into it, so an array
 returned by ``value()`` is a snapshot that later updates do not change.
@@ -53,18 +54,6 @@ class VariableAggregation(enum.Enum):
     MEAN = 2
     ONLY_FIRST_REPLICA = 3
 
-
-AGGREGATION_ERROR = (
-    "You must specify an aggregation method to update a {variable_type} in Replica Context. You can do so by "
-    "passing an explicit value for argument `aggregation` to mpistrat.Variable(..). e.g. "
-    "`mpistrat.Variable(..., aggregation=mpistrat.VariableAggregation.SUM)`. `VariableAggregation` lists the "
-    "possible aggregation methods. This is required because {variable_type} should always be kept in sync. When "
-    "updating them or assigning to them in a replica context, we automatically try to aggregate the values before "
-    "updating the variable. For this aggregation, we need to know the aggregation method. Another alternative is "
-    "to not try to update such {variable_type} in replica context, but in cross replica context. You can enter "
-    "cross replica context by calling `mpistrat.get_replica_context().merge_call(merge_fn, ..)`. Inside "
-    "`merge_fn`, you can then update the {variable_type} using `mpistrat.StrategyExtended.update()`."
-)
 
 _names = itertools.count()
 
@@ -364,8 +353,14 @@ class DistributedVariable(BaseVariable, DistributedValues):
         return tuple(c.device for c in self._values)
 
     def _local_component(self) -> Variable | None:
-        local_id = context.current_local_replica_id()
+        """The copy that reads and writes use here: this replica's, the one being updated, or None (whole)."""
+        local_id = context.local_replica_id_of(self._strategy)
         return None if local_id is None else self._values[local_id]
+
+    def __repr__(self) -> str:
+        # Per copy, as tf.distribute prints distributed values: no collective in a repr.
+        inner = ",\n  ".join(f"{i}: {BaseVariable.__repr__(c)}" for i, c in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n  {inner}\n}}"
 
     @property
     def device(self) -> str:
@@ -403,12 +398,12 @@ class MirroredVariable(DistributedVariable, Mirrored):
 
     def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
         self._in_this_strategy()
-        update_id = context.update_replica_id()
-        if update_id is not None:
-            self._values[update_id]._assign(method, value)
+        frame = context.current_frame()
+        if frame.strategy is self._strategy and frame.update_replica is not None:  # inside extended.update
+            self._values[frame.update_replica]._assign(method, value)
             return self
         ext = self._strategy.extended
-        if context.in_cross_replica_context() or not context.has_strategy():
+        if frame.strategy is not self._strategy or frame.cross_replica:
             if isinstance(value, PerReplica):
                 raise ValueError(
                     f"Cannot assign a PerReplica value to MirroredVariable {self._name} in cross-replica context: "
@@ -416,12 +411,14 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     "or assign inside strategy.run with an aggregation.")
             ext.update(self, lambda comp, v: comp._assign(method, v), args=(value,))
             return self
-        if self._aggregation is VariableAggregation.NONE:
-            raise ValueError(AGGREGATION_ERROR.format(variable_type="MirroredVariable"))
         if isinstance(value, DistributedValues):
             raise ValueError(
                 f"Cannot update MirroredVariable {self._name} in replica context with a {type(value).__name__}: "
                 "pass this replica's own value (strategy.run unwraps distributed arguments per replica).")
+        if self._aggregation is VariableAggregation.NONE:
+            # As tf.distribute: only this replica's copy changes (keeping the copies equal is the caller's job).
+            self._values[frame.replica_context._local_replica_id]._assign(method, value)
+            return self
         var = self
 
         def merge_fn(strategy: Any, v: Any) -> None:
@@ -449,8 +446,6 @@ class SyncOnReadVariable(DistributedVariable):
         comp = self._local_component()
         if comp is not None:
             return comp.value()
-        if not context.in_cross_replica_context() and not context.has_strategy():
-            return self._values[0].value()
         return self._cross_replica_value()
 
     def _cross_replica_value(self) -> Any:

@@ -194,3 +194,37 @@ def test_non_finite_check_names_the_replica_on_every_rank():
         s.run(step)
     s.extended._cross_device_ops.check_numerics = False
     assert np.isnan(s.experimental_local_results(s.run(step))[0][1]).all()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_reduce_to_in_replica_context_raises_without_collective(strategy):
+    # Every replica of every rank raises before any collective starts (TF's cross-replica rule),
+    # so concurrent replica threads never enter MPI and nothing hangs.
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        strategy.run(lambda: strategy.extended.reduce_to("mean", np.float64(1.0), "/cpu:0"))
+    assert strategy.reduce("sum", strategy.run(lambda: np.float64(1.0)), axis=None) == strategy.num_replicas_in_sync
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cross_rank_semantics_outside_scope_and_in_merge_fn(strategy):
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        total = ms.Variable(0.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM)
+        w = ms.Variable(np.zeros(2, np.float32))
+    strategy.run(lambda: total.assign_add(np.float32(ms.get_replica_context().replica_id_in_sync_group + 1)))
+    assert float(total.numpy()) == n * (n + 1) / 2  # read with no scope: aggregated across ranks
+
+    def merge_fn(s, x):  # strategy.reduce with an axis inside a merge_fn (a nested run)
+        return s.reduce("sum", x, axis=(0, 1))
+
+    def step():
+        g = ms.get_replica_context().replica_id_in_sync_group
+        reduced = ms.get_replica_context().merge_call(merge_fn, args=(np.full((2, 3), float(g)),))
+        strategy.extended.update(w, lambda c, r: c.assign(np.full(2, r, np.float32)), args=(reduced,))
+        return reduced
+
+    out = strategy.run(step)
+    expect = 6.0 * n * (n - 1) / 2
+    assert float(out) == expect  # merge_fn's one result, handed to every replica (returned as is)
+    assert all(np.array_equal(c.numpy(), [expect, expect]) for c in w.values)

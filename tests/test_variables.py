@@ -78,12 +78,14 @@ def test_mirrored_mean_and_first_replica(n):
     assert [float(x) for x in s.experimental_local_results(seen_first)] == [7.0] * n
 
 
-def test_mirrored_update_without_aggregation_raises():
+def test_mirrored_update_without_aggregation_changes_only_the_replicas_copy():
+    # As current tf.distribute (values._on_write_update_replica): aggregation NONE in replica
+    # context updates the replica's own copy; keeping the copies equal is the caller's job.
     s = make(2)
     with s.scope():
         v = ms.Variable(1.0)
-    with pytest.raises(ValueError, match="You must specify an aggregation method to update a MirroredVariable"):
-        s.run(lambda: v.assign(2.0))
+    s.run(lambda: v.assign(10.0 + ms.get_replica_context().replica_id_in_sync_group))
+    assert copies(v) == [10.0, 11.0]
 
 
 def test_mirrored_mean_on_integer_variable_raises():
@@ -174,12 +176,19 @@ def test_extended_update(n):
     assert out is not None
 
 
-def test_update_in_replica_context_raises():
+def test_update_in_replica_context_goes_through_merge_call():
+    # As tf.distribute's _replica_ctx_update: every replica calls update, the replicas'
+    # arguments are regrouped and each copy gets its own replica's argument.
     s = make(2)
     with s.scope():
         v = ms.Variable(0.0)
-    with pytest.raises(RuntimeError, match="requires being in cross-replica context"):
-        s.run(lambda: s.extended.update(v, lambda c: c.assign(1.0)))
+
+    def step():
+        rid = ms.get_replica_context().replica_id_in_sync_group
+        return s.extended.update(v, lambda c, x: c.assign(x), args=(np.float32(5 + rid),))
+
+    assert s.run(step) is v
+    assert copies(v) == [5.0, 6.0]
 
 
 def test_merge_call_update_pattern():
