@@ -9,7 +9,8 @@ fsyncs the directory, so a crash at any point leaves either the old set of
 checkpoints or the new one, never a partial file under a checkpoint's name.
 Restoring is collective too: the chief reads the file with
 ``np.load(allow_pickle=False)`` (no code execution), checks it against the
-manifest, broadcasts the manifest and the arrays, and every rank verifies
+manifest, broadcasts the manifest (JSON bytes) and the arrays as raw buffers
+(nothing is pickled, on disk or between ranks), and every rank verifies
 names, shapes and dtypes against its live variables before assigning. Any
 problem raises the same :class:`CheckpointError`, naming the file, on every
 rank.
@@ -81,6 +82,15 @@ def _status(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
+def _broadcast_json(comm: Any, value: Any) -> Any:
+    """The chief's JSON-serialisable ``value`` on every rank, sent as raw UTF-8 bytes (no pickle)."""
+    data = json.dumps(value).encode() if comm.rank == 0 else b""
+    (size,) = comm.broadcast([np.array([len(data)], dtype=np.int64)], root=0)
+    buffer = np.frombuffer(data, dtype=np.uint8) if comm.rank == 0 else np.empty(int(size[0]), dtype=np.uint8)
+    (received,) = comm.broadcast([buffer], root=0)
+    return json.loads(received.tobytes().decode())
+
+
 class Checkpoint:
     """A set of named variables to save and restore together (``tf.train.Checkpoint``).
 
@@ -129,7 +139,7 @@ class Checkpoint:
         """Raise the chief's error (if any) on every rank."""
         message = _status(error)
         if comm is not None:
-            message = comm.broadcast_object(message, root=0)
+            message = _broadcast_json(comm, message)
         if message is not None:
             if error is not None and comm is None:
                 raise error
@@ -171,7 +181,7 @@ class Checkpoint:
                 error = exc
         self._agree(comm, error)
         if comm is not None:
-            manifest = json.loads(comm.broadcast_object(json.dumps(manifest) if comm.rank == 0 else None, root=0))
+            manifest = _broadcast_json(comm, manifest)
         _verify(save_path, manifest, variables)
         if comm is not None:
             if comm.rank != 0:
@@ -329,7 +339,7 @@ class CheckpointManager:
         _, comm = self.checkpoint._strategy_and_comm(self.checkpoint.variables())
         if comm is None:
             return fn()
-        return comm.broadcast_object(fn() if comm.rank == 0 else None, root=0)
+        return _broadcast_json(comm, fn() if comm.rank == 0 else None)
 
     def restore_or_initialize(self) -> str | None:
         """Restore the latest checkpoint if there is one (collective); returns its path or None."""

@@ -116,10 +116,12 @@ class _Placer:
         self.streams: dict = {}
 
     def _leaf(self, x: Any, device: str) -> Any:
+        if isinstance(x, np.ndarray):
+            if not self.gpu[device] or x.dtype.hasobject:
+                return x  # already on the host, where CPU devices keep their arrays (and objects stay)
+            return to_device(x, device)
         if isinstance(x, (bytes, str)) or getattr(x, "dtype", None) == object:
             return x
-        if isinstance(x, np.ndarray) and not self.gpu.get(device, False):
-            return x  # already on the host, where CPU devices keep their arrays
         return to_device(x, device)
 
     def __call__(self, values: List[Any]) -> List[Any]:
@@ -239,9 +241,10 @@ class DistributedIterator:
         else:
             if not self._ready:
                 self._pull()
-            nbytes = sum(_nbytes(v) for v in self._ready)
-            while len(self._ready) < self._window and nbytes < AGREEMENT_BYTES and self._pull():
-                nbytes += _nbytes(self._ready[-1])
+            if self._window > 1:
+                nbytes = sum(_nbytes(v) for v in self._ready)
+                while len(self._ready) < self._window and nbytes < AGREEMENT_BYTES and self._pull():
+                    nbytes += _nbytes(self._ready[-1])
             held = len(self._ready)
         self._held = held
         if held:
@@ -256,29 +259,28 @@ class DistributedIterator:
 
     def _agree(self) -> None:
         code = self._fill()
-        if self._comm is None:
-            codes = np.array([code], dtype=np.int64)
-        else:
-            codes = self._comm.step_agreement(code)
-        if (codes == FAILED).any():
+        # Plain ints: this runs once per agreement, up to once per step, where NumPy on tiny arrays costs.
+        codes = [code] if self._comm is None else self._comm.step_agreement(code).tolist()
+        if FAILED in codes:
             self._fail(codes, self._pending_error if code == FAILED else None)
-        if not (codes > 0).any():
+        held = [c for c in codes if c > 0]
+        if not held:
             self._finish()
             raise StopIteration
-        if (codes == EXHAUSTED_NO_TEMPLATE).any():
+        if EXHAUSTED_NO_TEMPLATE in codes:
             templates = self._comm.allgather_object(self._template)
             if self._template is None:
                 self._template = next((t for t in templates if t is not None), None)
                 if self._template is None:  # pragma: no cover - a rank with data always has one
                     raise InputPipelineError("No rank could describe an empty batch (no rank has seen a batch)")
-        self._committed = int(codes[codes > 0].min())
+        self._committed = min(held)
 
-    def _fail(self, codes: np.ndarray, exc: _Opt[BaseException]) -> None:
+    def _fail(self, codes: List[int], exc: _Opt[BaseException]) -> None:
         if self._comm is None:
             messages = [_failure_message(exc)]
         else:
             messages = self._comm.allgather_object(None if exc is None else _failure_message(exc))
-        failed = [r for r, c in enumerate(codes.tolist()) if c == FAILED] if self._comm is not None else [
+        failed = [r for r, c in enumerate(codes) if c == FAILED] if self._comm is not None else [
             self._info.worker_index]
         self._error = InputPipelineError(
             f"Input pipeline failed on rank(s) {failed}: " + "; ".join(m for m in messages if m is not None)
@@ -309,6 +311,8 @@ class DistributedIterator:
         return self._assemble(values)
 
     def _assemble(self, values: List[Any]) -> Any:
+        if len(values) == 1 and values[0] is not None:
+            return values[0]
         if any(v is None for v in values):
             if self._template is None:  # single worker, some replicas never got data
                 self._template = next(template_of(v) for v in values if v is not None)

@@ -308,7 +308,7 @@ class NpyNode(FileSourceNode):
         have = 0
         first_shape = None
         for path in self.files:
-            arr = open_npy(path)
+            arr = open_npy(path).view(np.ndarray)  # slices of a plain view skip np.memmap's per-slice bookkeeping
             if first_shape is None:
                 first_shape = (arr.shape[1:], arr.dtype)
             elif (arr.shape[1:], arr.dtype) != first_shape:
