@@ -67,3 +67,26 @@ def test_corrupt_checkpoint_raises_on_every_rank(comm, shared_dir):
     with pytest.raises(CheckpointError, match=r"'w/w': saved shape \(3,\) dtype float64, live shape \(1000,\)"):
         ckpt.restore(good)
     comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_save_and_restore_send_nothing_pickled(comm, shared_dir, monkeypatch):
+    from mpistrat.comm.communicator import RankCommunicator
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint collective used a pickled object")
+
+    strategy = ms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        weights = ms.Variable(np.arange(5.0), name="w")
+    manager = CheckpointManager(Checkpoint(w=weights), os.path.join(shared_dir, "np"), max_to_keep=1)
+    monkeypatch.setattr(RankCommunicator, "broadcast_object", refuse)
+    monkeypatch.setattr(RankCommunicator, "allgather_object", refuse)
+    path = manager.save(metadata={"note": "no pickle"})  # numbering agreed from the chief's directory listing
+    with strategy.scope():
+        weights.assign(np.zeros(5))
+    assert manager.restore_or_initialize() == path
+    np.testing.assert_array_equal(weights.numpy(), np.arange(5.0))
+    assert manager.checkpoint.restore(path) == {"note": "no pickle"}
+    with pytest.raises(CheckpointError, match="does not exist"):  # the chief's error, on every rank
+        manager.checkpoint.restore(os.path.join(shared_dir, "np", "absent.npz"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -205,21 +206,23 @@ def test_prefetch_thread_runs_ahead_and_stops_with_the_iterator():
     assert wait_threads(before) == before
 
 
-def test_prefetch_overlaps_input_with_compute():
-    def slow_input(x):
-        time.sleep(0.02)
+@pytest.mark.parametrize("buffer", [0, 1, 2])
+def test_prefetch_prepares_the_next_step_while_the_current_one_computes(buffer):
+    """Overlap without timing: during step t's "compute" the input of step t + 1 is (or is not) made."""
+    made = {i: threading.Event() for i in range(8)}
+
+    def note(x):
+        made[int(x[0])].set()
         return x
 
-    ds = D.Dataset.range(12).batch(1).map(slow_input)
-    for buffer in (0, 2):
-        t0 = time.perf_counter()
-        for _ in DistributedDataset(ds, ONE, InputOptions(experimental_per_replica_buffer_size=buffer)):
-            time.sleep(0.02)  # compute
-        elapsed = time.perf_counter() - t0
-        if buffer == 0:
-            serial = elapsed
-    assert serial >= 12 * 0.04 * 0.95
-    assert elapsed < serial * 0.8  # input and compute overlap with prefetch
+    ds = D.Dataset.range(8).batch(1).map(note)
+    overlapped = []
+    for step, x in enumerate(DistributedDataset(ds, ONE, InputOptions(experimental_per_replica_buffer_size=buffer))):
+        assert x.tolist() == [step]
+        if step + 1 < 8:  # "compute": wait for the next step's input to be made meanwhile
+            overlapped.append(made[step + 1].wait(timeout=10 if buffer else 0.05))
+    # with a prefetch thread, every next input is made during the current step; without it, none is
+    assert overlapped == [bool(buffer)] * 7
 
 
 @pytest.mark.parametrize("buffer", [0, 2])

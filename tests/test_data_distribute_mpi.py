@@ -288,6 +288,28 @@ def test_corrupt_file_on_one_rank_fails_every_rank(comm, rank_comm, mpi_tmp_path
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("damage", ["truncated-record", "not-npy"])
+def test_unreadable_file_on_the_last_rank_fails_every_rank(comm, rank_comm, mpi_tmp_path, damage):
+    last = comm.size - 1
+    if damage == "truncated-record":
+        files = write_tfrecords(comm, mpi_tmp_path, comm.size, 20)
+        ds = D.TFRecordDataset(files).batch(4)
+        expected = rf"rank {last}: truncated record at byte offset 220 in TFRecord file .*rec-{last}\.tfrecord"
+        cut = 10 * 22 + 15  # record 10's header and 3 of its 10 remaining bytes (records are 12 + 6 + 4 bytes)
+    else:
+        files = write_npy_shards(comm, mpi_tmp_path, [20] * comm.size, feat=2)
+        ds = D.NpyDataset(files).batch(4)
+        expected = rf"rank {last}: .*shard-0{last}\.npy' is not a \.npy file \(bad magic at byte offset 0\)"
+    if comm.rank == 0:
+        data = Path(files[last]).read_bytes()
+        Path(files[last]).write_bytes(data[:cut] if damage == "truncated-record" else b"garbage, not an array" * 8)
+    comm.Barrier()
+    dist = DistributedDataset(with_policy(ds, AutoShardPolicy.FILE), worker_info(rank_comm, 1), None)
+    with pytest.raises(InputPipelineError, match=rf"failed on rank\(s\) \[{last}\].*{expected}"):
+        list(dist)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_missing_file_on_one_rank_fails_every_rank(comm, rank_comm, mpi_tmp_path):
     files = write_tfrecords(comm, mpi_tmp_path, comm.size, 4)
     ds = with_policy(D.TFRecordDataset(files).batch(2), AutoShardPolicy.FILE)

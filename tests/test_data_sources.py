@@ -56,6 +56,13 @@ def test_from_tensor_slices_errors():
 def test_from_tensors_is_one_element():
     out = list(D.Dataset.from_tensors(np.arange(3)))
     assert len(out) == 1 and out[0].tolist() == [0, 1, 2]
+    (element,) = list(D.Dataset.from_tensors([1, 2]))  # a list is one tensor, as in tf.data
+    assert isinstance(element, np.ndarray) and element.tolist() == [1, 2]
+    assert D.Dataset.from_tensors([1, 2]).element_spec == TensorSpec((2,), np.dtype(np.int64))
+    (pair,) = list(D.Dataset.from_tensors((np.arange(2), [3, 4])))
+    assert pair[0].tolist() == [0, 1] and pair[1].tolist() == [3, 4]
+    assert list(D.Dataset.from_tensors(b"xy")) == [b"xy"] and [int(x) for x in D.Dataset.from_tensors(3)] == [3]
+    assert D.Dataset.from_tensors({"s": [b"a", b"bc"]}).element_spec == {"s": TensorSpec((2,), np.dtype(object))}
 
 
 def test_from_generator_called_per_pass_with_signature():

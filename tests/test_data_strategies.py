@@ -53,3 +53,46 @@ def test_multi_worker_strategy_end_to_end(comm):
         steps += 1
     assert total == n * (n - 1) // 2  # DATA fallback: every example once across all ranks
     assert steps == 4
+
+
+def test_mirrored_strategy_datasets_from_function_per_worker_and_per_replica():
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        start = 100 * ctx.input_pipeline_id
+        return ms.data.Dataset.range(start, start + 5).batch(ctx.get_per_replica_batch_size(4))
+
+    def local(dist):
+        return [[v.tolist() for v in strategy.experimental_local_results(x)] for x in dist]
+
+    # the lists TensorFlow 2.21's MirroredStrategy over two logical CPUs gives for the same dataset_fn
+    assert local(strategy.distribute_datasets_from_function(dataset_fn)) == [[[0, 1], [2, 3]], [[4], []]]
+    assert contexts == [(1, 0, 2)]
+    per_replica = ms.InputOptions(experimental_replication_mode=ms.InputReplicationMode.PER_REPLICA)
+    assert local(strategy.distribute_datasets_from_function(dataset_fn, per_replica)) == [
+        [[0, 1], [100, 101]], [[2, 3], [102, 103]], [[4], [104]]]
+    assert contexts[1:] == [(2, 0, 2), (2, 1, 2)]
+    with pytest.raises(ValueError, match="The `global_batch_size` 3 is not divisible by `num_replicas_in_sync` 2"):
+        strategy.distribute_datasets_from_function(
+            lambda ctx: ms.data.Dataset.range(3).batch(ctx.get_per_replica_batch_size(3)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_multi_worker_strategy_file_sharding_of_npy_shards(comm, mpi_tmp_path):
+    strategy = ms.MultiWorkerMirroredStrategy(local_devices=["/cpu:0", "/cpu:1"])
+    files = [str(mpi_tmp_path / f"part-{k}.npy") for k in range(2 * comm.size)]
+    if comm.rank == 0:
+        for k, f in enumerate(files):
+            np.save(f, np.arange(10 * k, 10 * k + 10, dtype=np.float32)[:, None])
+    comm.Barrier()
+    dist = strategy.experimental_distribute_dataset(ms.data.NpyDataset(files).batch(4 * comm.size))
+    assert dist.auto_shard_mode == "FILE"  # AUTO found enough files
+    mine = []
+    for x in dist:
+        per_replica = strategy.experimental_local_results(x)
+        assert len(per_replica) == 2 and all(v.shape[1:] == (1,) for v in per_replica)
+        mine.extend(int(r) for v in per_replica for r in v[:, 0])
+    assert sorted(mine) == [r for k in range(comm.rank, len(files), comm.size) for r in range(10 * k, 10 * k + 10)]
+    assert sorted(r for rows in comm.allgather(mine) for r in rows) == list(range(20 * comm.size))

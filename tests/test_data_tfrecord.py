@@ -25,8 +25,19 @@ def manifest() -> dict:
     return json.loads((TF_DIR / "MANIFEST.json").read_text())["files"]
 
 
+RAW_FILES = sorted(n for n, e in manifest().items() if "records_utf8" in e) if (TF_DIR / "MANIFEST.json").is_file() else []
+
+
 @needs_tf_files
-@pytest.mark.parametrize("name", ["raw-00000-of-00004.tfrecord", "raw-00003-of-00004.tfrecord", "raw-gzip.tfrecord", "raw-zlib.tfrecord"])
+def test_manifest_covers_every_kind_of_file():
+    m = manifest()
+    assert {m[n]["compression"] for n in RAW_FILES} == {None, "GZIP", "ZLIB"}
+    assert len([n for n in RAW_FILES if n.startswith("raw-0000")]) == 4
+    assert sorted(set(m) - set(RAW_FILES)) == ["examples-00000-of-00001.tfrecord"]  # the tf.train.Example file
+
+
+@needs_tf_files
+@pytest.mark.parametrize("name", RAW_FILES or ["(no TensorFlow files)"])
 def test_reads_tensorflow_files_exactly(name):
     entry = manifest()[name]
     got = list(D.TFRecordDataset(str(TF_DIR / name), compression_type=entry["compression"] or ""))

@@ -109,6 +109,20 @@ def test_interleave_matches_tf_documented_order():
         list(D.Dataset.range(2).interleave(lambda x: [x], cycle_length=1))
 
 
+def test_interleave_uneven_inner_datasets_matches_tensorflow():
+    # expected lists printed by tensorflow-cpu 2.21 for the same pipelines
+    lengths = {1: 3, 2: 1, 3: 2}
+
+    def inner(x):
+        return D.Dataset.range(int(x) * 10, int(x) * 10 + lengths[int(x)])
+
+    source = D.Dataset.from_tensor_slices(np.array([1, 2, 3]))
+    assert ints(source.interleave(inner, cycle_length=2, block_length=1)) == [10, 20, 11, 12, 30, 31]
+    assert ints(source.interleave(inner, cycle_length=2, block_length=2)) == [10, 11, 20, 12, 30, 31]
+    ds = D.Dataset.range(1, 6).interleave(lambda x: D.Dataset.range(x * 10, x * 10 + x), cycle_length=3, block_length=2)
+    assert ints(ds) == [10, 20, 21, 30, 31, 40, 41, 32, 42, 43, 50, 51, 52, 53, 54]
+
+
 def test_interleave_of_tfrecord_files(tmp_path):
     files = []
     for k in range(3):
@@ -158,6 +172,29 @@ def test_prefetch_abandoned_iterator_thread_ends():
     assert threading.active_count() >= 1
 
 
+def test_shuffle_inside_repeat_reshuffles_each_repetition():
+    reshuffled = ints(D.Dataset.range(10).shuffle(10, seed=1).repeat(2))
+    first, second = reshuffled[:10], reshuffled[10:]
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+    fixed = ints(D.Dataset.range(10).shuffle(10, seed=1, reshuffle_each_iteration=False).repeat(2))
+    assert fixed[:10] == fixed[10:] and sorted(fixed[:10]) == list(range(10))
+
+
+def test_cache_discards_a_partial_pass():
+    calls = []
+
+    def record(x):
+        calls.append(int(x))
+        return x
+
+    ds = D.Dataset.range(4).map(record).cache()
+    it = iter(ds)
+    next(it), next(it)
+    it.close()  # abandoned after two elements: nothing cached (a truncated cache would lose elements)
+    assert ints(ds) == [0, 1, 2, 3] and calls == [0, 1, 0, 1, 2, 3]
+    assert ints(ds) == [0, 1, 2, 3] and calls == [0, 1, 0, 1, 2, 3]
+
+
 def test_cache_replays_first_complete_pass():
     calls = []
 
@@ -176,6 +213,8 @@ def test_cache_replays_first_complete_pass():
 def test_zip_enumerate_reduce():
     z = D.Dataset.zip((D.Dataset.range(3), D.Dataset.range(3).map(lambda x: x * x)))
     assert [(int(a), int(b)) for a, b in z] == [(0, 0), (1, 1), (2, 4)]
+    z2 = D.Dataset.zip(D.Dataset.range(2), D.Dataset.range(5, 9))  # positional form (tf.data >= 2.13)
+    assert [(int(a), int(b)) for a, b in z2] == [(0, 5), (1, 6)]
     e = D.Dataset.from_tensor_slices(np.array([5.0, 6.0])).enumerate(start=10)
     assert [(int(i), float(v)) for i, v in e] == [(10, 5.0), (11, 6.0)]
     assert e.element_spec == (TensorSpec((), np.dtype(np.int64)), TensorSpec((), np.dtype(np.float64)))

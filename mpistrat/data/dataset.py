@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from .. import nest
-from .node import Node
+from .node import Node, normalize_element
 from .options import Options
 from .spec import TensorSpec
 from .sources import GeneratorNode, ListFilesNode, NpyNode, RangeNode, TensorSlicesNode, TextLineNode, TFRecordNode
@@ -95,7 +95,15 @@ class Dataset:
     @staticmethod
     def from_tensors(tensors: Any) -> "Dataset":
         """A dataset of one element, ``tensors`` itself."""
-        return Dataset(TensorSlicesNode(nest.map_structure(lambda x: [x], tensors)))
+        def one_row(x: Any) -> np.ndarray:
+            if isinstance(x, (bytes, str)):
+                row = np.empty(1, dtype=object)
+                row[0] = x
+                return row
+            return np.asarray(x)[None]
+
+        # lists are tensors (as in tf.data), so normalise before adding the one-element axis
+        return Dataset(TensorSlicesNode(nest.map_structure(one_row, normalize_element(tensors))))
 
     @staticmethod
     def from_generator(generator: Callable, output_types: Any = None, output_shapes: Any = None,
@@ -114,8 +122,12 @@ class Dataset:
         return Dataset(ListFilesNode(file_pattern, shuffle, seed))
 
     @staticmethod
-    def zip(datasets: Any) -> "Dataset":
-        """Elements of a structure (tuple or dict) of datasets, zipped."""
+    def zip(*args: Any, datasets: Any = None) -> "Dataset":
+        """Elements of a structure (tuple or dict) of datasets, zipped: ``zip((a, b))`` or ``zip(a, b)``."""
+        if args and datasets is not None:
+            raise TypeError("Dataset.zip takes the datasets either positionally or as `datasets=`, not both")
+        if datasets is None:
+            datasets = args[0] if len(args) == 1 else tuple(args)
         leaves = nest.flatten(datasets)
         if not leaves or not all(isinstance(d, Dataset) for d in leaves):
             raise TypeError("Dataset.zip expects a (nested) tuple or dict of Datasets")
