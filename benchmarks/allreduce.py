@@ -2,12 +2,27 @@
 
     mpiexec -n 2 python benchmarks/allreduce.py
     mpiexec -n 4 python benchmarks/allreduce.py [--max-size 64M] [--budget 0.6] [--implementation AUTO]
+        [--columns strategy,window]
 
 Prints, for float32 buffers of 4 KiB..64 MiB, the time per all-reduce, algbw
 and busbw (nccl-tests convention: algbw = bytes / time, busbw = algbw *
 2(n-1)/n) of every measured function, and each one's busbw ratio to raw
-``Allreduce(IN_PLACE)``; then 100 arrays of 4 KiB in one fused call against
-100 raw calls, and the cost of the agreement check alone.
+``Allreduce(IN_PLACE)`` (the reference, always measured):
+
+* ``strategy``: ``get_replica_context().all_reduce("sum", buf)`` inside
+  ``MultiWorkerMirroredStrategy.run`` (what a training step calls; the
+  result is a new array, the input is untouched);
+* ``rankcomm``: the ``RankCommunicator.allreduce([buf], "sum")`` call the
+  strategy makes, without the strategy around it;
+* ``inplace``: the same with ``inplace=True``;
+* ``window``: the node shared-memory window path on data already packed
+  into the window (as fusion packs a bucket), forced on at every size; the
+  ``auto`` column is the path the calibrated size threshold picks (window or
+  raw MPI) and its ratio.
+
+Then 100 arrays of 4 KiB: 100 raw calls against one fused ``all_reduce`` of
+the list inside ``strategy.run`` and one fused ``RankCommunicator`` call;
+then the cost of the agreement check alone.
 
 Timing: warm-up first; then every iteration starts with a barrier, each rank
 times the call, the slowest rank's time counts, and the median over
@@ -15,7 +30,7 @@ iterations is reported. The measured functions run interleaved on the same
 buffers, so they see the same machine state.
 
 To add a column, add a function ``setup(ctx, buf) -> callable`` to
-:data:`MEASURED` (e.g. ``all_reduce`` inside ``strategy.run``).
+:data:`MEASURED`.
 """
 
 from __future__ import annotations
@@ -25,13 +40,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
+import mpistrat as ms
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
+from mpistrat.comm.shm_allreduce import ShmAllreduceBackend
 
 
 @dataclass
@@ -39,13 +56,26 @@ class Context:
     """What a measured function may use."""
 
     world: MPI.Comm
-    rc: RankCommunicator
+    rc: RankCommunicator  # the strategy's communicator
+    strategy: ms.MultiWorkerMirroredStrategy
+    window: ShmAllreduceBackend | None  # forced on at every size; None when not measured
 
 
 def raw_allreduce(ctx: Context, buf: np.ndarray) -> Callable[[], None]:
     """Raw mpi4py ``Allreduce(IN_PLACE)`` (the reference)."""
     comm = ctx.world
     return lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+
+
+def strategy_all_reduce(ctx: Context, buf: Any) -> Callable[[], Any]:
+    """``strategy.run`` of a step calling ``get_replica_context().all_reduce("sum", buf)``."""
+    run = ctx.strategy.run
+    get = ms.get_replica_context
+
+    def step() -> Any:
+        return get().all_reduce("sum", buf)
+
+    return lambda: run(step)
 
 
 def rank_communicator(ctx: Context, buf: np.ndarray) -> Callable[[], None]:
@@ -60,12 +90,33 @@ def rank_communicator_inplace(ctx: Context, buf: np.ndarray) -> Callable[[], Non
     return lambda: rc.allreduce([buf], "sum", inplace=True)
 
 
-# name -> setup; the first entry is the reference for the ratios.
-MEASURED: dict[str, Callable[[Context, np.ndarray], Callable[[], None]]] = {
-    "raw mpi4py": raw_allreduce,
-    "RankCommunicator": rank_communicator,
-    "RankComm inplace": rank_communicator_inplace,
+def window_packed(ctx: Context, buf: np.ndarray) -> Callable[[], None]:
+    """The shared-window path on a bucket already packed into the window.
+
+    The window holds zeros (pre-faulted), so repeated sums stay zero and no
+    copy is needed inside the timing: this is the reduction fusion pays for
+    after packing.
+    """
+    backend = ctx.window
+    assert backend is not None
+    count, dtype = buf.size, buf.dtype
+
+    def reduce_packed() -> None:
+        backend.pack_buffer(count, dtype)
+        backend.allreduce_packed(count, dtype, "sum")
+
+    return reduce_packed
+
+
+# name -> (column title, setup); "raw" is the reference for the ratios.
+MEASURED: dict[str, tuple[str, Callable[[Context, np.ndarray], Callable[[], Any]]]] = {
+    "raw": ("raw mpi4py", raw_allreduce),
+    "strategy": ("strategy all_reduce", strategy_all_reduce),
+    "rankcomm": ("RankCommunicator", rank_communicator),
+    "inplace": ("RankComm inplace", rank_communicator_inplace),
+    "window": ("shm window", window_packed),
 }
+DEFAULT_COLUMNS = "strategy,window"
 
 
 def parse_size(text: str) -> int:
@@ -81,7 +132,7 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def timed(world: MPI.Comm, fns: list[Callable[[], None]], iters: int) -> list[float]:
+def timed(world: MPI.Comm, fns: list[Callable[[], Any]], iters: int) -> list[float]:
     """Median (over iterations) of the slowest rank's time of each function, interleaved."""
     times = np.zeros((iters, len(fns)))
     for i in range(iters):
@@ -94,7 +145,7 @@ def timed(world: MPI.Comm, fns: list[Callable[[], None]], iters: int) -> list[fl
     return [statistics.median(times[:, j]) for j in range(len(fns))]
 
 
-def choose_iters(world: MPI.Comm, fns: list[Callable[[], None]], budget: float) -> int:
+def choose_iters(world: MPI.Comm, fns: list[Callable[[], Any]], budget: float) -> int:
     """Warm up, then pick an iteration count so one measurement takes about ``budget`` seconds."""
     for fn in fns:
         fn()
@@ -108,50 +159,49 @@ def busbw(nbytes: int, seconds: float, n: int) -> tuple[float, float]:
     return alg, alg * 2 * (n - 1) / n
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--min-size", default="4K")
-    parser.add_argument("--max-size", default="64M")
-    parser.add_argument("--budget", type=float, default=0.6, help="seconds per size (all functions together)")
-    parser.add_argument("--implementation", default="AUTO", help="CommunicationImplementation for RankCommunicator")
-    parser.add_argument("--fused-count", type=int, default=100)
-    args = parser.parse_args(argv)
-    world = MPI.COMM_WORLD
-    n, rank = world.Get_size(), world.Get_rank()
-    rc = RankCommunicator(world, CommunicationOptions(implementation=args.implementation))
-    ctx = Context(world, rc)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"# mpistrat all-reduce benchmark: {n} ranks, float32, {MPI.Get_library_version().splitlines()[0]}")
-    described = [b.name + (f"(min_bytes={b.min_bytes}, sync={b.sync_kind})" if hasattr(b, "min_bytes") else "")
-                 for b in rc._host_backends]
-    say(f"# RankCommunicator backends: {described}; implementation={args.implementation}")
-    say("# time = median over iterations of the slowest rank; busbw = algbw * 2(n-1)/n; ratio = busbw / raw busbw")
-    names = list(MEASURED)
+def describe_backends(rc: RankCommunicator) -> list[str]:
+    return [b.name + (f"(min_bytes={b.min_bytes}, sync={b.sync_kind}, nodes={b.layout.num_nodes})"
+                      if isinstance(b, ShmAllreduceBackend) else "")
+            for b in rc._host_backends]
+
+
+def size_table(ctx: Context, names: list[str], args: argparse.Namespace, say: Callable[..., None]) -> None:
+    """One row per size: time, algbw, busbw of each column and its ratio to raw."""
+    world, n = ctx.world, ctx.world.Get_size()
+    shm = next((b for b in ctx.rc._host_backends if isinstance(b, ShmAllreduceBackend)), None)
+    auto = "window" in names
     header = f"{'size':>9} {'iters':>5}"
+    units = f"{'':>9} {'':>5}"
     for name in names:
-        header += f" | {name:>17} {'algbw':>6} {'busbw':>6}"
-        if name != names[0]:
-            header += f" {'ratio':>5}"
+        title = MEASURED[name][0]
+        header += f" | {title:>19} {'algbw':>6} {'busbw':>6}" + (f" {'ratio':>5}" if name != "raw" else "")
+        units += f" | {'(us)':>19} {'GB/s':>6} {'GB/s':>6}" + (" " * 6 if name != "raw" else "")
+    if auto:
+        header += f" | {'auto':>6} {'ratio':>5}"
     say(header)
-    say(f"{'':>9} {'':>5}" + "".join(f" | {'(us)':>17} {'GB/s':>6} {'GB/s':>6}" + (" " * 6 if i else "")
-                                       for i, _ in enumerate(names)))
+    say(units)
     size = parse_size(args.min_size)
     while size <= parse_size(args.max_size):
         buf = np.zeros(size // 4, dtype=np.float32)  # zeros: repeated in-place sums stay finite
-        fns = [MEASURED[name](ctx, buf) for name in names]
+        fns = [MEASURED[name][1](ctx, buf) for name in names]
         iters = choose_iters(world, fns, args.budget)
         medians = timed(world, fns, iters)
         line = f"{human(size):>9} {iters:>5}"
         ref = busbw(size, medians[0], n)[1]
-        for j, t in enumerate(medians):
+        for name, t in zip(names, medians):
             alg, bus = busbw(size, t, n)
-            line += f" | {t * 1e6:>17.1f} {alg:>6.2f} {bus:>6.2f}"
-            if j:
-                line += f" {bus / ref:>5.2f}"
+            line += f" | {t * 1e6:>19.1f} {alg:>6.2f} {bus:>6.2f}" + (f" {bus / ref:>5.2f}" if name != "raw" else "")
+        if auto:
+            use = shm is not None and shm.enabled(size, np.dtype(np.float32), "sum")
+            t = medians[names.index("window")] if use else medians[0]
+            line += f" | {'window' if use else 'mpi':>6} {medians[0] / t:>5.2f}"
         say(line, flush=True)
         size *= 4
 
-    # 100 small arrays: one fused call against one raw call per array.
+
+def fused_table(ctx: Context, args: argparse.Namespace, say: Callable[..., None]) -> None:
+    """``count`` arrays of 4 KiB: raw calls one by one against one fused call."""
+    world, rc = ctx.world, ctx.rc
     count = args.fused_count
     arrays = [np.zeros(1024, dtype=np.float32) for _ in range(count)]
 
@@ -159,28 +209,63 @@ def main(argv: list[str] | None = None) -> int:
         for a in arrays:
             world.Allreduce(MPI.IN_PLACE, a, MPI.SUM)
 
-    fns = [raw_many, lambda: rc.allreduce(arrays, "sum"), lambda: rc.allreduce(arrays, "sum", inplace=True)]
+    fns = [raw_many, strategy_all_reduce(ctx, arrays), lambda: rc.allreduce(arrays, "sum"),
+           lambda: rc.allreduce(arrays, "sum", inplace=True)]
     iters = choose_iters(world, fns, 2 * args.budget)
-    raw_t, fused_t, fused_in_t = timed(world, fns, iters)
+    raw_t, strat_t, fused_t, fused_in_t = timed(world, fns, iters)
     say(f"\n{count} x 4 KiB float32 ({iters} iterations):")
-    say(f"  {count} raw Allreduce(IN_PLACE) calls: {raw_t * 1e3:8.3f} ms")
-    say(f"  one fused RankCommunicator call:  {fused_t * 1e3:8.3f} ms  ({raw_t / fused_t:.1f}x faster)")
-    say(f"  same, inplace=True:               {fused_in_t * 1e3:8.3f} ms  ({raw_t / fused_in_t:.1f}x faster)")
+    say(f"  {count} raw Allreduce(IN_PLACE) calls:        {raw_t * 1e3:8.3f} ms")
+    say(f"  one fused all_reduce in strategy.run:    {strat_t * 1e3:8.3f} ms  ({raw_t / strat_t:.1f}x faster)")
+    say(f"  one fused RankCommunicator call:         {fused_t * 1e3:8.3f} ms  ({raw_t / fused_t:.1f}x faster)")
+    say(f"  same, inplace=True:                      {fused_in_t * 1e3:8.3f} ms  ({raw_t / fused_in_t:.1f}x faster)")
 
-    # The agreement check alone (one tiny non-blocking collective).
+
+def check_cost(ctx: Context, args: argparse.Namespace, say: Callable[..., None]) -> None:
+    """The agreement check alone (one tiny non-blocking collective) next to raw tiny collectives."""
+    world, guard = ctx.world, ctx.rc._guard
+    if guard is None:
+        return
     key = ("allreduce", (("op", "sum"),), (((1024,), "<f4"),))
-    guard = rc._guard
-    if guard is not None:
-        def check() -> None:
-            guard.check(key, 60.0)
+    small = np.ones(1, np.float32)
+    fns = [lambda: guard.check(key, 60.0), lambda: world.Allreduce(MPI.IN_PLACE, small, MPI.SUM), world.Barrier]
+    iters = choose_iters(world, fns, args.budget)
+    check_t, tiny_t, barrier_t = timed(world, fns, iters)
+    say(f"\nagreement check: {check_t * 1e6:.1f} us per call "
+        f"(raw 4-byte Allreduce {tiny_t * 1e6:.1f} us, raw Barrier {barrier_t * 1e6:.1f} us)")
 
-        small = np.ones(1, np.float32)
-        fns = [check, lambda: world.Allreduce(MPI.IN_PLACE, small, MPI.SUM), world.Barrier]
-        iters = choose_iters(world, fns, args.budget)
-        check_t, tiny_t, barrier_t = timed(world, fns, iters)
-        say(f"\nagreement check: {check_t * 1e6:.1f} us per call "
-            f"(raw 4-byte Allreduce {tiny_t * 1e6:.1f} us, raw Barrier {barrier_t * 1e6:.1f} us)")
-    rc.close()
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--min-size", default="4K")
+    parser.add_argument("--max-size", default="64M")
+    parser.add_argument("--budget", type=float, default=0.6, help="seconds per size (all functions together)")
+    parser.add_argument("--implementation", default="AUTO", help="CommunicationImplementation of the strategy")
+    parser.add_argument("--columns", default=DEFAULT_COLUMNS,
+                        help=f"comma-separated, from {','.join(k for k in MEASURED if k != 'raw')} (raw always)")
+    parser.add_argument("--fused-count", type=int, default=100)
+    args = parser.parse_args(argv)
+    names = ["raw"] + [c.strip() for c in args.columns.split(",") if c.strip() and c.strip() != "raw"]
+    unknown = [c for c in names if c not in MEASURED]
+    if unknown:
+        parser.error(f"unknown column(s) {unknown}; choose from {list(MEASURED)}")
+    world = MPI.COMM_WORLD
+    n, rank = world.Get_size(), world.Get_rank()
+    options = CommunicationOptions(implementation=args.implementation)
+    strategy = ms.MultiWorkerMirroredStrategy(communication_options=options)
+    rc = strategy.extended._communicator
+    window = None
+    if "window" in names:
+        window = ShmAllreduceBackend(world, min_bytes=0, max_bytes=max(parse_size(args.max_size), 1 << 20))
+    ctx = Context(world, rc, strategy, window)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"# mpistrat all-reduce benchmark: {n} ranks, float32, {MPI.Get_library_version().splitlines()[0]}")
+    say(f"# strategy's RankCommunicator backends: {describe_backends(rc)}; implementation={args.implementation}")
+    say("# time = median over iterations of the slowest rank; busbw = algbw * 2(n-1)/n; ratio = busbw / raw busbw")
+    size_table(ctx, names, args, say)
+    fused_table(ctx, args, say)
+    check_cost(ctx, args, say)
+    if window is not None:
+        window.close()
     return 0
 
 

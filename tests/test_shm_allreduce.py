@@ -345,3 +345,63 @@ def test_env_pretend_nodes_capped_on_a_small_sub_communicator(monkeypatch):
             ShmAllreduceBackend(pair, pretend_nodes=pair.size + 1, min_bytes=0)
     finally:
         pair.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float32", "int64"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_reduce_into_private_memory_matches_mpi(backend, dtype, op, monkeypatch):
+    """allreduce_packed_to and allreduce_array (also streamed in many ring slots, and in place)."""
+    monkeypatch.setattr(shm_allreduce, "STREAM_BYTES", 1 << 14)  # 16 KiB ring: many chunks, slots reused
+    backend.block_bytes = 4096
+    comm = MPI.COMM_WORLD
+    for i, count in enumerate(SIZES):
+        x = _data(count, dtype, comm.rank, seed=i)
+        ref = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, ref, op=OPS[op])
+        exact = np.dtype(dtype).kind == "i" or op != "sum" or comm.size == 2
+        check = np.array_equal if exact else (lambda a, b: np.allclose(a, b, rtol=1e-5, atol=1e-5))
+        out = np.full(count, -7, dtype)
+        backend.pack_buffer(count, x.dtype)[:] = x
+        backend.allreduce_packed_to(count, x.dtype, op, out)
+        assert check(out, ref), f"allreduce_packed_to, count={count}"
+        out2 = np.full(count, -7, dtype)
+        backend.allreduce_array(x.reshape(1, -1) if count else x, out2.reshape(1, -1) if count else out2, op)
+        assert check(out2, ref), f"allreduce_array, count={count}"
+        assert np.array_equal(x, _data(count, dtype, comm.rank, seed=i)), "the input must be untouched"
+        backend.allreduce_array(MPI.IN_PLACE, x, op)
+        assert check(x, ref), f"allreduce_array(IN_PLACE), count={count}"
+        if exact:  # every rank holds the very same bits
+            gathered = comm.allgather(out2)
+            assert all(np.array_equal(g, out2) for g in gathered)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_streamed_slots_survive_a_slow_reader(monkeypatch):
+    """One synchronisation per chunk: a fast rank must never overwrite a slot a slow peer still reads."""
+    monkeypatch.setattr(shm_allreduce, "STREAM_BYTES", 1 << 13)
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, min_bytes=0, block_bytes=2048)
+    try:
+        slow = comm.rank == comm.size - 1
+        original = np.add
+        calls = []
+
+        def slow_add(*args, **kwargs):  # the last rank lingers over every chunk it reads
+            calls.append(1)
+            time.sleep(0.002)
+            return original(*args, **kwargs)
+
+        for step in range(3):
+            x = np.arange(20000, dtype=np.int64) + 1000 * comm.rank + step
+            expect = comm.allreduce(x, op=MPI.SUM)
+            out = np.empty_like(x)
+            if slow and b.direct:
+                monkeypatch.setitem(shm_allreduce._UFUNCS, "sum", slow_add)
+            b.allreduce_array(x, out, "sum")
+            monkeypatch.setitem(shm_allreduce._UFUNCS, "sum", original)
+            good = comm.allgather(bool(np.array_equal(out, expect)))
+            assert all(good), f"step {step}: ranks with a corrupted result: {[r for r, g in enumerate(good) if not g]}"
+        assert not (slow and b.direct) or len(calls) > 3
+    finally:
+        b.close()

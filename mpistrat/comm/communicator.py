@@ -9,8 +9,9 @@ also carries per-rank sizes or codes where a call needs them), honouring
   ``__cuda_array_interface__`` objects) and dtype into buckets of up to
   ``bytes_per_pack`` (:mod:`~mpistrat.comm.fusion`), one MPI call per
   bucket through the first enabled backend (:mod:`~mpistrat.comm.backends`).
-  A bucket holding one contiguous array goes straight to MPI (no packing)
-  when reduced in place or below 1 MiB (else the backend table chooses).
+  A bucket holding one contiguous array is reduced without packing: straight
+  to MPI when reduced in place or below 1 MiB, unless the chosen backend is
+  ``direct`` (see :data:`SINGLE_ARRAY_BACKEND_MIN_BYTES`).
   Plans, buckets and result arrays are cached per call signature, so the
   hot path allocates nothing for shapes it has seen; results handed out are
   never overwritten by later calls (see :class:`~mpistrat.comm.fusion.ResultPool`).
@@ -51,7 +52,11 @@ _PLAN_CACHE_MAX = 512
 # (no copy at all) or when smaller than this. A result in a new array needs a
 # copy anyway, so from this size the backend table chooses: copying into the
 # node shared-memory window and reducing there beat MPICH's send/receive
-# Allreduce at 1-64 MiB here (about 1.1-1.6x at 2 and 4 ranks).
+# Allreduce at 1-64 MiB here (about 1.1-1.6x at 2 and 4 ranks). A backend
+# with ``direct`` set (shared memory with two ranks on one node: one
+# synchronisation per call) takes single arrays, in place or not, from its
+# own threshold: measured 0.9-1.06x raw in-place MPI at 16-256 KiB where
+# MPICH's send/receive form gave 0.63-0.72x.
 SINGLE_ARRAY_BACKEND_MIN_BYTES = 1 << 20
 _DTYPE_STR: dict = {}  # dtype -> dtype.str (the attribute builds a new string on every access)
 
@@ -293,10 +298,12 @@ class RankCommunicator:
                 ]
             for b in buckets:
                 if kind == _HOST:
-                    if len(b.members) == 1 and (inplace or b.nbytes < SINGLE_ARRAY_BACKEND_MIN_BYTES):
+                    # the first enabled backend (shared memory, MPI); MPI takes one array unpacked
+                    backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
+                    if len(b.members) == 1 and not getattr(backend, "direct", False) and (
+                        inplace or b.nbytes < SINGLE_ARRAY_BACKEND_MIN_BYTES
+                    ):
                         backend = self._host_backends[-1]  # one array: straight to plain MPI
-                    else:  # the first enabled backend (shared memory, MPI); MPI takes one array unpacked
-                        backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
                     xp = np
                 else:
                     backend = self._device()
@@ -373,20 +380,23 @@ class RankCommunicator:
             xp = step.xp
             buf = backend.pack_buffer(b.count, b.dtype)
             pack(arrays, b, buf, xp)
+            to = getattr(backend, "allreduce_packed_to", None)
             if inplace:
-                pieces = backend.allreduce_packed(b.count, b.dtype, opname)
                 if type(backend) is MpiAllreduceBackend or type(backend) is DeviceMpiAllreduceBackend:
-                    flat = pieces[0][1]  # offset 0 of the backend's own per-dtype buffer
-                else:  # gather the pieces first: one copy each, not one per array
+                    # offset 0 of the backend's own per-dtype buffer, reduced in place
+                    flat = backend.allreduce_packed(b.count, b.dtype, opname)[0][1]
+                else:  # reduce into one scratch bucket first: one copy per piece, not per array
                     flat = self._scratch.get(b.count, b.dtype) if xp is np else xp.empty(b.count, b.dtype)
-                    for start, piece in pieces:
-                        flat[start : start + piece.shape[0]] = piece
+                    if to is not None:
+                        to(b.count, b.dtype, opname, flat)
+                    else:
+                        for start, piece in backend.allreduce_packed(b.count, b.dtype, opname):
+                            flat[start : start + piece.shape[0]] = piece
                 copyto = xp.copyto
                 for i, src in zip(b.members, step.source_views(flat)):
                     copyto(arrays[i], src)
                 continue
             block, views = step.pool.get()
-            to = getattr(backend, "allreduce_packed_to", None)
             if to is not None:
                 to(b.count, b.dtype, opname, block)
             else:

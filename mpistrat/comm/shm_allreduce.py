@@ -25,6 +25,16 @@ reading bucket b. Pieces are therefore valid until the next ``pack_buffer``.
 Nodes of different sizes work too: slices are owned by the first P local
 ranks of each node, P the smallest node's size.
 
+Results wanted in private memory (what the communicator hands out) skip the
+pieces: ``allreduce_packed_to(count, dtype, op, out)``, and
+``allreduce_array(src, dst, op)`` for one contiguous array (no caller-side
+packing). With two ranks on one node (``direct``) they need one
+synchronisation, not two: each rank sums both segments straight into its
+output (``a + b``, the same bits on both ranks), and a long array streams
+through a ring of :data:`STREAM_BYTES` in ``block_bytes`` chunks, one
+synchronisation per chunk, so the window stays in cache. Otherwise they run
+the reduce-scatter above and copy the pieces out.
+
 Buckets bigger than the window: the window grows (a collective reallocation,
 to the next power of two, at most ``max_bytes`` per bucket) inside
 ``pack_buffer``, which every rank calls with the same count. Buckets above
@@ -43,7 +53,8 @@ Environment knobs (constructor arguments override them):
   ``auto`` (default: measured at start-up, once per process and rank set).
 * ``MPISTRAT_SHM_MAX_BYTES``: largest bucket, per rank (default 64M). The
   window takes ``2 x`` this per rank at most (two buckets).
-* ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
+* ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment, and the chunk
+  of a streamed ``allreduce_array`` (default 256K).
 * ``MPISTRAT_SHM_SYNC``: ``barrier``, ``counter`` or ``auto`` (default, which
   is ``counter``: measured as fast or faster than ``Barrier`` at every size,
   at 2 and 4 ranks; only ``counter`` honours ``timeout_seconds``).
@@ -68,7 +79,7 @@ from mpi4py import MPI
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout, pretend_nodes_from_env
 
-__all__ = ["ShmAllreduceBackend", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "parse_bytes"]
+__all__ = ["ShmAllreduceBackend", "STREAM_BYTES", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "parse_bytes"]
 
 SUPPORTED_OPS = ("sum", "min", "max")
 _UFUNCS = {"sum": np.add, "min": np.minimum, "max": np.maximum}
@@ -82,6 +93,9 @@ _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum on
 _DEFAULT_MAX = 64 << 20
 _DEFAULT_BLOCK = 256 << 10
 _INITIAL = 1 << 20
+# allreduce_array (two ranks on a node): arrays up to this size are copied
+# into the window in one piece; larger ones stream through a ring this big.
+STREAM_BYTES = 4 << 20
 # From 16 KiB: at 4 KiB the window path (~3.5 us of Python per call plus two
 # node synchronisations) only breaks even with MPICH's small-message
 # all-reduce (0.8-1.25x over runs at 2 and 4 ranks), so it is never chosen.
@@ -161,6 +175,9 @@ class ShmAllreduceBackend:
         lay = self.layout
         # Slice owners: local ranks [0, P) of every node, P the smallest node.
         self.owners = lay.comm.allreduce(lay.local_size, op=MPI.MIN)
+        # Two ranks on one node: results written to private memory need one
+        # synchronisation, not two (allreduce_packed_to).
+        self.direct = lay.num_nodes == 1 and lay.local_size == 2
         self.max_bytes = int(max_bytes if max_bytes is not None else _env_bytes("MPISTRAT_SHM_MAX_BYTES", _DEFAULT_MAX))
         block = block_bytes if block_bytes is not None else _env_bytes("MPISTRAT_SHM_BLOCK_BYTES", _DEFAULT_BLOCK)
         if self.max_bytes < 0 or block is None or block <= 0:
@@ -224,19 +241,7 @@ class ShmAllreduceBackend:
 
     def allreduce_packed(self, count: int, dtype: np.dtype, op: str) -> list[tuple[int, np.ndarray]]:
         """Reduce what every rank packed; pieces ``(start, view)`` covering ``[0, count)``."""
-        pending = self._pending
-        if pending is None or pending[0] != count or pending[1] != dtype:
-            raise RuntimeError(
-                f"ShmAllreduceBackend.allreduce_packed({count}, {dtype}) must follow pack_buffer with the same "
-                f"count and dtype (pending: {pending})"
-            )
-        ufunc = _UFUNCS.get(op)
-        if ufunc is None:
-            raise ValueError(f"ShmAllreduceBackend: op must be one of {SUPPORTED_OPS}, got {op!r}")
-        dtype = pending[1]
-        if ufunc is not np.add and dtype in _COMPLEX:
-            raise TypeError(f"ShmAllreduceBackend: dtype {dtype} is not supported for op {op!r}")
-        self._pending = None
+        ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
         if count == 0:
             return []
         key = (self._bucket, dtype, count)
@@ -258,6 +263,87 @@ class ShmAllreduceBackend:
         sync.wait()
         self._bucket ^= 1
         return list(plan.pieces)
+
+    def allreduce_packed_to(self, count: int, dtype: np.dtype, op: str, out: np.ndarray) -> None:
+        """Reduce what every rank packed straight into ``out`` (1-D, ``count`` items, private memory).
+
+        Two ranks on one node: one synchronisation, then each rank sums both
+        segments into ``out`` (one pass, no copy out of the window; ``a + b``
+        is the same on both ranks). Otherwise the reduce-scatter of
+        :meth:`allreduce_packed`, then the pieces are copied into ``out``.
+        """
+        if not self.direct:
+            for start, piece in self.allreduce_packed(count, dtype, op):
+                out[start : start + piece.shape[0]] = piece
+            return
+        ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed_to")
+        if count == 0:
+            return
+        first, second = self._typed(self._bucket, dtype)
+        assert self._sync is not None
+        self._sync.wait()
+        ufunc(first[:count], second[:count], out=out)
+        # No second synchronisation: a rank packs this bucket again only two
+        # calls later, after the next call's synchronisation, which every
+        # rank reaches only once it has finished reading here.
+        self._bucket ^= 1
+
+    def allreduce_array(self, src: np.ndarray | MPI.BottomType, dst: np.ndarray, op: str) -> None:
+        """Reduce one C-contiguous array into ``dst`` (``src`` may be ``MPI.IN_PLACE``; collective).
+
+        Two ranks on one node stream it through the window: each chunk is
+        copied into this rank's segment, one synchronisation, then each rank
+        sums both segments' chunk into ``dst``. Arrays up to
+        :data:`STREAM_BYTES` are one chunk; larger ones go in ``block_bytes``
+        chunks through a ring of ``STREAM_BYTES`` per rank, so the window stays
+        in cache and a slot is rewritten only long after the peer read it
+        (rewriting lines a peer has just read costs a cross-core invalidation
+        per line). Otherwise: packed whole, then :meth:`allreduce_packed_to`.
+        """
+        source = (dst if src is MPI.IN_PLACE else src).reshape(-1)
+        out = dst.reshape(-1)
+        count, dtype = out.shape[0], out.dtype
+        if not self.direct:
+            np.copyto(self.pack_buffer(count, dtype), source)
+            self.allreduce_packed_to(count, dtype, op, out)
+            return
+        self._check_dtype(dtype, op)
+        ufunc = _UFUNCS[op]
+        if count == 0:
+            return
+        itemsize = dtype.itemsize
+        ring = min(count * itemsize, max(STREAM_BYTES, self.block_bytes))
+        self._ensure_capacity(ring)
+        chunk = count if count * itemsize <= STREAM_BYTES else max(1, self.block_bytes // itemsize)
+        slots = max(1, (ring // itemsize) // chunk)
+        first, second = self._typed(self._bucket, dtype)
+        mine = first if self._local_rank() == 0 else second
+        wait = self._sync.wait  # type: ignore[union-attr]
+        for k, lo in enumerate(range(0, count, chunk)):
+            hi = min(count, lo + chunk)
+            at = (k % slots) * chunk
+            end = at + hi - lo
+            np.copyto(mine[at:end], source[lo:hi])
+            wait()  # a slot is rewritten only after a later synchronisation: the peer is done with it
+            ufunc(first[at:end], second[at:end], out=out[lo:hi])
+        self._bucket ^= 1
+
+    def _take_pending(self, count: int, dtype: np.dtype, op: str, what: str) -> tuple[np.ufunc, np.dtype]:
+        """Check that ``pack_buffer(count, dtype)`` came first and ``op`` fits; the ufunc and dtype."""
+        pending = self._pending
+        if pending is None or pending[0] != count or pending[1] != dtype:
+            raise RuntimeError(
+                f"ShmAllreduceBackend.{what}({count}, {dtype}) must follow pack_buffer with the same "
+                f"count and dtype (pending: {pending})"
+            )
+        ufunc = _UFUNCS.get(op)
+        if ufunc is None:
+            raise ValueError(f"ShmAllreduceBackend: op must be one of {SUPPORTED_OPS}, got {op!r}")
+        dtype = pending[1]
+        if ufunc is not np.add and dtype in _COMPLEX:
+            raise TypeError(f"ShmAllreduceBackend: dtype {dtype} is not supported for op {op!r}")
+        self._pending = None
+        return ufunc, dtype
 
     def close(self) -> None:
         """Free the window and communicators (collective over ``comm``; idempotent)."""
