@@ -272,3 +272,13 @@ def test_interpreter_exits_with_an_unfinished_prefetching_iterator(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "done"
     assert time.time() - t0 < 30
+
+
+def test_place_dataset_on_device_per_replica_hands_out_without_a_thread():
+    before = len(live_producer_threads())
+    options = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA,
+                           experimental_fetch_to_device=False, experimental_place_dataset_on_device=True)
+    it = iter(DistributedDatasetsFromFunction(lambda ctx: D.Dataset.range(4).batch(2), TWO, options))
+    assert values(next(it)) == [[0, 1], [0, 1]]  # one dataset per replica, placed on its (CPU) device
+    assert len(live_producer_threads()) == before
+    assert [values(s) for s in it] == [[[2, 3], [2, 3]]]

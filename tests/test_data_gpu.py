@@ -45,3 +45,16 @@ def test_two_gpus_each_replica_on_its_device_with_empty_batches():
         lambda ctx: D.Dataset.range(4).batch(2), info,
         InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA))
     assert [v.device.id for v in next(iter(per_rep)).values] == [0, 1]
+
+
+@pytest.mark.gpu
+def test_place_dataset_on_device_per_replica_puts_values_on_the_gpu():
+    import cupy
+
+    options = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA,
+                           experimental_fetch_to_device=False, experimental_place_dataset_on_device=True)
+    dist = DistributedDatasetsFromFunction(lambda ctx: D.Dataset.range(4).batch(2), InputWorkerInfo.single(("/gpu:0",)),
+                                           options)
+    steps = list(dist)
+    assert all(isinstance(s, cupy.ndarray) and s.device.id == 0 for s in steps)
+    assert [cupy.asnumpy(s).tolist() for s in steps] == [[0, 1], [2, 3]]

@@ -184,7 +184,9 @@ class DistributedIterator:
         self._ready: collections.deque = collections.deque()
         self._committed = 0
         self._held = 0
-        placer = _Placer(info.local_devices, options.fetch_to_device)
+        # experimental_place_dataset_on_device (PER_REPLICA, no fetch): each replica's values go to its
+        # device as they are handed out, without a prefetch thread.
+        placer = _Placer(info.local_devices, options.fetch_to_device or options.experimental_place_dataset_on_device)
         self._placer = placer
         buffer = options.experimental_per_replica_buffer_size
         self._producer: _Opt[BackgroundProducer] = None
