@@ -252,3 +252,24 @@ def test_hot_path_allocates_no_arrays(rc):
         tracemalloc.stop()
     # Only the test's own input copies (200 KB each step) may be allocated, not results or buckets.
     assert peak < 50_000 * 4 + 100_000, peak
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dropped_communicator_is_released_once_dropped_on_every_rank(comm):
+    from mpi4py import MPI
+
+    from mpistrat.comm import lifetime
+
+    lifetime.release_dropped(comm)  # earlier tests' leftovers
+    kept = RankCommunicator(comm, CommunicationOptions(implementation="SHM"))
+    assert kept.allreduce([np.ones(10), np.ones(3)], "sum")[0].tolist() == [comm.size] * 10  # a packed bucket
+    win = kept._host_backends[0]._window.win
+    dup = kept.comm
+    if comm.rank == 0:
+        del kept  # dropped here only: nothing collective may happen yet
+    assert lifetime.release_dropped(comm) == 0
+    assert win != MPI.WIN_NULL and dup != MPI.COMM_NULL
+    if comm.rank != 0:
+        del kept
+    assert lifetime.release_dropped(comm) == 1
+    assert win == MPI.WIN_NULL and dup == MPI.COMM_NULL and lifetime.dropped_count() == 0

@@ -1,5 +1,7 @@
 """MultiWorkerMirroredStrategy across MPI ranks (run at 1, 2 and 4 ranks)."""
 
+import weakref
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -228,3 +230,25 @@ def test_cross_rank_semantics_outside_scope_and_in_merge_fn(strategy):
     expect = 6.0 * n * (n - 1) / 2
     assert float(out) == expect  # merge_fn's one result, handed to every replica (returned as is)
     assert all(np.array_equal(c.numpy(), [expect, expect]) for c in w.values)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dropped_strategy_frees_its_shared_window():
+    from mpistrat.comm import lifetime, shm_window
+
+    lifetime.release_dropped()  # earlier tests' strategies
+    base = len(shm_window._OPEN)
+    opts = ms.experimental.CommunicationOptions(implementation="SHM")
+    for _ in range(3):  # a job that builds strategy after strategy does not pile up windows
+        s = ms.MultiWorkerMirroredStrategy(communication_options=opts)
+        grads = [np.ones(50_000), np.ones(7)]  # one packed bucket: it goes through the window
+        assert float(s.run(lambda: ms.get_replica_context().all_reduce("sum", grads))[0][0]) == world().size
+        shm = s.extended._communicator._host_backends[0]
+        assert shm.name == "shm" and len(shm_window._OPEN) <= base + 2  # data and counter windows
+        win, segment = shm._window.win, weakref.ref(shm._window.segment(0))
+        del s, shm
+    # The next strategy on these ranks (plain MPI: no window of its own) releases the dropped one's.
+    ms.MultiWorkerMirroredStrategy(communication_options=ms.experimental.CommunicationOptions(implementation="MPI"))
+    assert win == MPI.WIN_NULL, "the dropped strategy's window must be freed"
+    assert segment() is None, "no view may outlive Win.Free"
+    assert len(shm_window._OPEN) <= base

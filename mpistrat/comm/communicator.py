@@ -38,6 +38,7 @@ from mpi4py import MPI
 from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, GrowableBuffers, mpi_datatype, select_backends
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
 from .fusion import Bucket, ResultPool, pack, plan_buckets
+from .lifetime import Resources, release_dropped, track
 from .options import CommunicationOptions
 from .. import timeline
 from .safety import AgreementGuard, CallKey, CollectiveError, fingerprint
@@ -145,6 +146,7 @@ class RankCommunicator:
         if not isinstance(options, CommunicationOptions):
             raise TypeError(f"options must be a CommunicationOptions, got {type(options).__name__}")
         self.options = options
+        release_dropped(comm)  # what earlier communicators on these ranks left behind
         self.comm: MPI.Comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
@@ -155,6 +157,9 @@ class RankCommunicator:
             select_backends(self.comm, options) if self.size > 1 else [MpiAllreduceBackend(self.comm)]
         )
         self._device_backend: DeviceMpiAllreduceBackend | None = None
+        # Dropped without close(): released at the next collective point (lifetime.py).
+        self._resources = Resources(self.comm, self._guard, self._host_backends)
+        self._finalizer = track(self, self._resources)
         self._plans: dict[Any, list[_Step]] = {}
         self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._check_span = (0.0, 0.0)  # timeline: the last check's (start, end)
@@ -206,7 +211,7 @@ class RankCommunicator:
 
     def _device(self) -> DeviceMpiAllreduceBackend:
         if self._device_backend is None:
-            self._device_backend = DeviceMpiAllreduceBackend(self.comm, self.cuda_aware)
+            self._device_backend = self._resources.device = DeviceMpiAllreduceBackend(self.comm, self.cuda_aware)
         return self._device_backend
 
     # ------------------------------------------------------------------ all-reduce
@@ -569,16 +574,8 @@ class RankCommunicator:
                 raise
         self._closed = True
         self._plans.clear()
-        broken = self._guard is not None and self._guard.broken is not None
-        if self._device_backend is not None:
-            self._device_backend.close()
-        if self._guard is not None:
-            self._guard.close()
-        if broken:
-            return  # peers may be gone: skip collective clean-up (shared windows, Comm.Free)
-        for backend in self._host_backends:
-            backend.close()
-        self.comm.Free()
+        self._finalizer.detach()
+        self._resources.release()  # local clean-up only if the guard broke (peers may be gone)
 
     def __enter__(self) -> "RankCommunicator":
         return self

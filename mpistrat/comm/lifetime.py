@@ -1,0 +1,124 @@
+"""Releasing what a dropped communicator holds, collectively and safely.
+
+A :class:`~mpistrat.comm.communicator.RankCommunicator` owns resources whose
+release is collective: node shared-memory windows (``Win.Free``), duplicated
+communicators, the agreement guard's persistent request. ``close()`` releases
+them at once. A communicator that is simply dropped (its strategy goes out of
+scope) cannot do that in a finalizer: strategies hold reference cycles, so the
+garbage collector finalizes them at a different moment on every rank, and a
+collective started on one rank alone would hang.
+
+So a finalizer only files the communicator's :class:`Resources` as dropped
+(no MPI call). The next collective point over the same ranks, the creation of
+another communicator on them or :func:`release_dropped`, runs the garbage
+collector, agrees in one small ``allgather`` on what every rank has dropped,
+and releases exactly that, in creation order. Whatever is still held at exit
+is freed there (shared windows by ``shm_window``'s exit hook, the rest by
+``MPI_Finalize``).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+from mpi4py import MPI
+
+__all__ = ["Resources", "group_key", "track", "release_dropped", "dropped_count"]
+
+# Per group of ranks: how many communicators were created on it (serials agree
+# across ranks: communicators are created collectively, in program order).
+_SERIALS: dict[tuple[int, ...], int] = {}
+# Resources of communicators dropped without close(), waiting for a collective point.
+_DROPPED: list["Resources"] = []
+
+
+def group_key(comm: MPI.Comm) -> tuple[int, ...]:
+    """The ``COMM_WORLD`` ranks of ``comm``'s processes, in its rank order."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return tuple(group.Translate_ranks(list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+
+
+class Resources:
+    """What one communicator must release collectively: its duplicate of the
+    communicator, agreement guard, host all-reduce backends, device backend."""
+
+    __slots__ = ("key", "serial", "comm", "guard", "backends", "device", "released")
+
+    def __init__(self, comm: MPI.Comm, guard: Any, backends: list, key: tuple[int, ...] | None = None) -> None:
+        self.key = group_key(comm) if key is None else key
+        self.serial = _SERIALS.get(self.key, 0) + 1
+        _SERIALS[self.key] = self.serial
+        self.comm = comm
+        self.guard = guard
+        self.backends = backends
+        self.device: Any = None
+        self.released = False
+
+    def release(self) -> None:
+        """Release everything (collective over ``comm``; idempotent).
+
+        A guard that broke (a timeout or a failed close) means peers may be
+        gone: only local clean-up then, no shared windows or ``Comm.Free``.
+        """
+        if self.released:
+            return
+        self.released = True
+        broken = self.guard is not None and self.guard.broken is not None
+        if self.device is not None:
+            self.device.close()
+        if self.guard is not None:
+            self.guard.close()
+        if broken:
+            return
+        for backend in self.backends:
+            backend.close()
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+
+def _file_dropped(resources: Resources) -> None:
+    if not resources.released:
+        _DROPPED.append(resources)
+
+
+def track(owner: object, resources: Resources) -> weakref.finalize:
+    """File ``resources`` as dropped when ``owner`` is garbage-collected (not at exit).
+
+    Call ``detach()`` on the returned finalizer once released explicitly.
+    """
+    finalizer = weakref.finalize(owner, _file_dropped, resources)
+    finalizer.atexit = False
+    return finalizer
+
+
+def dropped_count() -> int:
+    """How many dropped communicators await release on this rank."""
+    return len(_DROPPED)
+
+
+def release_dropped(comm: MPI.Comm | None = None) -> int:
+    """Release the communicators over ``comm``'s ranks dropped on every rank (collective).
+
+    Returns how many were released. Communicators dropped on some ranks only
+    stay filed for a later call.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    gc.collect()  # finalize unreachable strategies now, on every rank
+    key = group_key(comm)
+    mine = [r.serial for r in _DROPPED if r.key == key]
+    everywhere = set(mine)
+    for other in comm.allgather(mine):
+        everywhere &= set(other)
+    if not everywhere:
+        return 0
+    chosen = sorted((r for r in _DROPPED if r.key == key and r.serial in everywhere), key=lambda r: r.serial)
+    _DROPPED[:] = [r for r in _DROPPED if not (r.key == key and r.serial in everywhere)]
+    for resources in chosen:
+        resources.release()
+    return len(chosen)
