@@ -17,7 +17,9 @@ source "$MPISTRAT_VENV/bin/activate"                      # the venv's mpiexec c
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 ckpt=()
 if [ -n "$CKPT_DIR" ]; then ckpt=(--checkpoint-dir "$CKPT_DIR" --resume); fi
+progress=()
+if [ -t 2 ]; then progress=(--progress); fi               # ranks write to mpiexec's pipes: rank 0's bar on request
 # shellcheck disable=SC2086  # MPIEXEC_ARGS is a list of options
 exec mpiexec -n "$NP" $MPIEXEC_ARGS python "$MPISTRAT_REPO/examples/train.py" \
   --epochs "$EPOCHS" --global-batch-size "$GLOBAL_BATCH" --data-dir "$DATA_DIR" \
-  "${ckpt[@]}" "$@"
+  "${ckpt[@]}" "${progress[@]}" "$@"

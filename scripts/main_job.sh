@@ -9,5 +9,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 . scripts/setup_venv.sh
 np="${MPISTRAT_NP:-4}"
-echo "[main job] mpiexec -n $np python examples/train.py $*"
-exec timeout -k 10 "${MPISTRAT_TIMEOUT:-900}" mpiexec -n "$np" python examples/train.py "$@"
+progress=()
+if [ -t 2 ]; then progress=(--progress); fi  # the ranks write to mpiexec's pipes: ask rank 0 for its bar
+echo "[main job] mpiexec -n $np python examples/train.py ${progress[*]} $*"
+exec timeout -k 10 "${MPISTRAT_TIMEOUT:-900}" mpiexec -n "$np" python examples/train.py "${progress[@]}" "$@"

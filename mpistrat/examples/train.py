@@ -108,6 +108,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="multi_worker (default; MPI ranks) or mirrored (one process, no MPI)")
     p.add_argument("--prefetch", type=int, default=2, help="batches prefetched per replica (0: off; default 2)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway without a TTY)")
+    p.add_argument("--progress", action="store_true",
+                   help="show rank 0's progress bar even when its stderr is not a terminal (under mpiexec/srun the "
+                        "ranks write to pipes: scripts/main_job.sh passes this when it runs in a terminal)")
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
@@ -281,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if first_epoch >= args.epochs:
         log(f"already trained {first_epoch} epochs (--epochs {args.epochs}): evaluating only")
         test_acc = trainer.evaluate()
-    show_bar = is_chief and not args.no_progress and sys.stderr.isatty()
+    show_bar = is_chief and not args.no_progress and (args.progress or sys.stderr.isatty())
     for epoch in range(first_epoch, args.epochs):
         bar = _progress_bar(show_bar, trainer.steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
         try:
