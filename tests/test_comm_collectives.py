@@ -1,7 +1,13 @@
-"""RankCommunicator collectives: correctness at 1, 2 and 4 ranks."""
+"""RankCommunicator collectives: correctness at 1, 2 and 4 ranks.
+
+Every test runs once per backend variant (``backend_variants.py``): shared
+memory as configured, forced on, forced off, and forced on across two pretend
+nodes.
+"""
 
 import numpy as np
 import pytest
+from backend_variants import backend_variant  # noqa: F401  (autouse)
 
 from mpistrat.comm.communicator import RankCommunicator, normalize_op
 from mpistrat.comm.options import CommunicationOptions
@@ -35,6 +41,19 @@ def expected(size, shape, dtype, op, salt=0):
             out = (out + v).astype(values[0].dtype)
         return out
     return np.minimum.reduce(values) if op == "min" else np.maximum.reduce(values)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_backend_variant_in_effect(rc, backend_variant):  # noqa: F811
+    names = [b.name for b in rc._host_backends]
+    assert names[-1] == "mpi"
+    if backend_variant == "shm-off":
+        assert names == ["mpi"]
+    elif backend_variant != "auto":
+        shm = rc._host_backends[0]
+        assert shm.name == "shm" and shm.min_bytes == 0
+        assert shm.layout.num_nodes == (2 if backend_variant == "pretend-2-nodes" else 1)
+        assert shm.layout.pretend == (backend_variant == "pretend-2-nodes")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -1,9 +1,15 @@
-"""MultiWorkerMirroredStrategy across MPI ranks (run at 1, 2 and 4 ranks)."""
+"""MultiWorkerMirroredStrategy across MPI ranks (run at 1, 2 and 4 ranks).
+
+Every test runs once per backend variant (``backend_variants.py``): shared
+memory as configured, forced on, forced off, and forced on across two pretend
+nodes.
+"""
 
 import weakref
 
 import numpy as np
 import pytest
+from backend_variants import backend_variant  # noqa: F401  (autouse)
 from mpi4py import MPI
 
 import mpistrat as ms
