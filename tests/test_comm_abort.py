@@ -45,28 +45,56 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, mode, *, runner=("-m", "mpistrat.run"), env=None):
+# A training script that never mentions the hook: the strategy installs it.
+STRATEGY_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    import mpistrat as ms
+    s = ms.MultiWorkerMirroredStrategy()
+    def step():
+        ctx = ms.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            raise ValueError("replica one failed on purpose")
+        return ctx.all_reduce("sum", np.ones(3))  # the others wait here (600 s default timeout)
+    s.run(step)
+    """
+)
+
+
+def _run(tmp_path, mode, *, runner=("-m", "mpistrat.run"), env=None, ranks=2, script_text=SCRIPT):
     if _mpiexec() is None:
         pytest.skip("no mpiexec")
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     start = time.monotonic()
     proc = subprocess.run(
-        [_mpiexec(), "-n", "2", sys.executable, *runner, str(script), mode],
+        [_mpiexec(), "-n", str(ranks), sys.executable, *runner, str(script), mode],
         capture_output=True, text=True, timeout=BOUND_SECONDS + 30, env=env or _clean_env(),
     )
     return proc, time.monotonic() - start
 
 
 @pytest.mark.timeout(120)
-def test_exception_on_one_rank_aborts_job_with_its_traceback(tmp_path):
-    proc, elapsed = _run(tmp_path, "raise")
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_exception_on_one_rank_aborts_job_with_its_traceback(tmp_path, ranks):
+    proc, elapsed = _run(tmp_path, "raise", ranks=ranks)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert elapsed < BOUND_SECONDS, (elapsed, out)
     assert "[rank 1] Traceback (most recent call last):" in out, out
     assert "[rank 1] ValueError: rank one failed on purpose" in out, out
-    assert "aborting all 2 ranks" in out
+    assert f"aborting all {ranks} ranks" in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_strategy_program_aborts_on_one_ranks_exception(tmp_path, ranks):
+    """Plain ``python script.py`` (no ``mpistrat.run``): MultiWorkerMirroredStrategy installs the hook."""
+    proc, elapsed = _run(tmp_path, "", runner=(), ranks=ranks, script_text=STRATEGY_SCRIPT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and elapsed < BOUND_SECONDS, (elapsed, out)
+    assert "[rank 1] ValueError: replica one failed on purpose" in out, out
+    assert f"aborting all {ranks} ranks" in out, out
 
 
 @pytest.mark.timeout(120)

@@ -71,6 +71,28 @@ def test_cuda_array_interface_allreduce_inplace(comm, monkeypatch):
             rc.allreduce([HostCudaArray(a)], "sum")
 
 
+@pytest.mark.mpi(min_size=1)
+def test_cuda_aware_path_synchronises_the_producer_before_mpi(comm, monkeypatch):
+    from mpistrat.comm import backends
+
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    seen = []
+    real = backends.synchronize_producer
+
+    def recording(x):  # what the buffer held when its stream was synchronised
+        seen.append(x.array.copy())
+        real(x)
+
+    monkeypatch.setattr(backends, "synchronize_producer", recording)
+    with RankCommunicator(comm) as rc:
+        a = np.full(5, rc.rank + 1.0)
+        rc.allreduce([HostCudaArray(a)], "sum", inplace=True)
+        n = rc.size
+        if n > 1:  # a one-rank communicator moves nothing
+            assert len(seen) == 1 and (seen[0] == rc.rank + 1).all(), "synchronised before MPI touched it"
+        np.testing.assert_array_equal(a, np.full(5, n * (n + 1) / 2))
+
+
 @pytest.mark.mpi(min_size=2)
 def test_cuda_array_interface_needs_cuda_aware_mpi(comm, monkeypatch):
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")
