@@ -8,7 +8,9 @@ In one run (it starts ``mpiexec -n K`` itself for each K):
    ``DistributedDataset`` with FILE sharding (one local replica per rank, one
    step agreement per step), against a plain loop on every rank that
    ``np.load``s / parses the same files (worker w: files[w::W]) with no library,
-   producing the same per-step batches. Best of ``--repeats`` alternated runs.
+   producing the same per-step batches. Best of ``--repeats`` alternated
+   measurements, each of as many passes as make the plain loop last
+   ``--min-seconds`` on the slowest rank.
    Target: mpistrat >= 0.9x the plain loop.
 2. A step loop with simulated compute (sleep) on one rank: step time without
    prefetch (about input + compute) and with the default per-device prefetch
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import struct
@@ -141,7 +144,7 @@ def communicator(comm):
         return _C(comm)
 
 
-def worker(root: str, global_batch: int, repeats: int, out: str) -> None:
+def worker(root: str, global_batch: int, repeats: int, min_seconds: float, out: str) -> None:
     from mpi4py import MPI
 
     import mpistrat.data as D
@@ -168,13 +171,19 @@ def worker(root: str, global_batch: int, repeats: int, out: str) -> None:
             "prefetch16": lambda: mpistrat_run(dataset, info, InputOptions(experimental_per_replica_buffer_size=16)),
             "sync": lambda: mpistrat_run(dataset, info, InputOptions(experimental_per_replica_buffer_size=0)),
         }
+        # Passes per measurement: enough for the slowest rank's plain loop to take min_seconds (one pass of
+        # small shards lasts milliseconds, too short to time on a shared machine); the same on every rank.
+        comm.Barrier()
+        t0 = time.perf_counter()
+        plain()
+        passes = max(1, math.ceil(min_seconds / comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)))
         best = {k: float("inf") for k in runs}
         counts = {}
         for _ in range(repeats):
             for name, fn in runs.items():
                 comm.Barrier()
                 t0 = time.perf_counter()
-                counts[name] = fn()
+                counts[name] = sum(fn() for _ in range(passes))
                 best[name] = min(best[name], time.perf_counter() - t0)
         assert len(set(counts.values())) == 1, (kind, counts)
         rates = comm.gather({k: counts[k] / best[k] for k in best}, root=0)
@@ -234,14 +243,15 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=1024)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--rows", type=int, default=32768, help="examples per shard")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--min-seconds", type=float, default=0.3, help="least duration of one throughput measurement")
     parser.add_argument("--prefetch-steps", type=int, default=60)
     parser.add_argument("--prefetch-batch", type=int, default=1024)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.global_batch, args.repeats, args.out)
+        worker(args.worker, args.global_batch, args.repeats, args.min_seconds, args.out)
         return
 
     root = tempfile.mkdtemp(prefix="mpistrat-input-bench-")
@@ -249,7 +259,8 @@ def main() -> None:
         make_data(root, args.shards, args.rows)
         mib = sum(os.path.getsize(f) for f in files(root, ".npy")) / 2**20
         print(f"data: {args.shards} shards x {args.rows} examples x {FEATURES} float32 ({mib:.0f} MiB as .npy, "
-              f"same examples as TFRecord); global batch {args.global_batch}; FILE sharding; best of {args.repeats}")
+              f"same examples as TFRecord); global batch {args.global_batch}; FILE sharding; best of {args.repeats} "
+              f"alternated measurements of >= {args.min_seconds} s each")
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
         print("ex/s per rank (mean over ranks); ratio = mpistrat / plain (worst rank in brackets)")
         print("columns: plain loop; mpistrat with default InputOptions (prefetch thread, buffer 1); with buffer 16;")
@@ -259,7 +270,8 @@ def main() -> None:
         for k in args.ranks:
             out = os.path.join(root, f"result-{k}.json")
             cmd = [mpiexec, "-n", str(k), sys.executable, os.path.abspath(__file__), "--worker", root, "--out", out,
-                   "--global-batch", str(args.global_batch), "--repeats", str(args.repeats)]
+                   "--global-batch", str(args.global_batch), "--repeats", str(args.repeats),
+                   "--min-seconds", str(args.min_seconds)]
             subprocess.run(cmd, check=True, timeout=600)
             with open(out) as f:
                 res = json.load(f)
