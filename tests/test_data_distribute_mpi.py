@@ -225,6 +225,14 @@ def test_file_policy_fewer_files_than_workers_fails_everywhere(comm, rank_comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_file_policy_with_fewer_npy_shards_than_workers_names_both_counts(comm, rank_comm, mpi_tmp_path):
+    files = write_npy_shards(comm, mpi_tmp_path, [6] * (comm.size - 1))
+    ds = with_policy(D.NpyDataset(files).batch(2), AutoShardPolicy.FILE)
+    with pytest.raises(ValueError, match=rf"there are {comm.size - 1} input files but {comm.size} workers"):
+        DistributedDataset(ds, worker_info(rank_comm, 1), None)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_off_policy_every_worker_sees_everything(comm, rank_comm):
     ds = with_policy(D.Dataset.range(20).batch(4), AutoShardPolicy.OFF)
     dist = DistributedDataset(ds, worker_info(rank_comm, 1), None)
