@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import nest
 from .errors import DataLossError, rank_label
+from .interleave import interleave
 from .node import Node, normalize_element
 from .npy import open_npy
 from .spec import TensorSpec
@@ -203,11 +204,12 @@ class TFRecordNode(FileSourceNode):
         self.num_parallel_reads = num_parallel_reads
 
     def iterate(self) -> Iterator[Any]:
-        readers = [lambda f=f: tf_record_iterator(f, self.compression_type) for f in self.files]
         cycle = self.num_parallel_reads
-        if not cycle or cycle <= 1:
-            return (r for make in readers for r in make())
-        return _round_robin(readers, cycle if cycle > 0 else os.cpu_count() or 1)
+        if not cycle or cycle == 1:
+            return (r for f in self.files for r in tf_record_iterator(f, self.compression_type))
+        # tf.data reads num_parallel_reads files at a time in interleave order (block length 1)
+        cycle = cycle if cycle > 0 else os.cpu_count() or 1
+        return interleave(iter(self.files), lambda f: tf_record_iterator(f, self.compression_type), cycle, 1)
 
     def spec(self) -> Any:
         return TensorSpec((), np.dtype(object))
@@ -225,28 +227,6 @@ def _record_batches(records: Iterator[bytes], batch_size: int, drop_remainder: b
         out = np.empty(len(chunk), dtype=object)
         out[:] = chunk
         yield out
-
-
-def _round_robin(makers: list, cycle: int) -> Iterator[Any]:
-    """Interleave iterators ``cycle`` at a time, one element each, refilling slots in order."""
-    pending = iter(makers)
-    slots = []
-    for make in pending:
-        slots.append(make())
-        if len(slots) == cycle:
-            break
-    while slots:
-        i = 0
-        while i < len(slots):
-            try:
-                yield next(slots[i])
-                i += 1
-            except StopIteration:
-                nxt = next(pending, None)
-                if nxt is None:
-                    slots.pop(i)
-                else:
-                    slots[i] = nxt()
 
 
 def _open_text(path: str, compression_type: str):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from .. import nest
+from .interleave import interleave
 from .node import Node, normalize_element, stack_elements
 from .prefetch import BackgroundProducer
 from .spec import TensorSpec, batched_spec, unbatched_spec
@@ -297,36 +298,7 @@ class InterleaveNode(_Unary):
         return result._node.iterate()
 
     def iterate(self) -> Iterator[Any]:
-        # tf.data's InterleaveDataset: slots are (re)opened lazily when the cycle reaches them;
-        # a slot moves on after block_length elements or when its dataset ends.
-        source = self.input.iterate()
-        slots: list = [None] * self.cycle_length
-        index = 0
-        open_count = 0
-        end_of_input = False
-        while not end_of_input or open_count > 0:
-            it = slots[index]
-            if it is not None:
-                produced = 0
-                while produced < self.block_length:
-                    try:
-                        element = next(it)
-                    except StopIteration:
-                        slots[index] = None
-                        open_count -= 1
-                        break
-                    produced += 1
-                    yield element
-            elif not end_of_input:
-                try:
-                    element = next(source)
-                except StopIteration:
-                    end_of_input = True
-                    continue
-                slots[index] = self._open(element)
-                open_count += 1
-                continue
-            index = (index + 1) % self.cycle_length
+        return interleave(self.input.iterate(), self._open, self.cycle_length, self.block_length)
 
     def spec(self) -> Any:
         return Node.spec(self)
