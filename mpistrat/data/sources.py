@@ -253,11 +253,11 @@ class TextLineNode(FileSourceNode):
     def iterate(self) -> Iterator[Any]:
         for path in self.files:
             with _open_text(path, self.compression_type) as f:
-                for line in f:
+                for line in f:  # as TensorFlow: one trailing "\n", then one "\r" (also on a last line without "\n")
                     if line.endswith(b"\n"):
                         line = line[:-1]
-                        if line.endswith(b"\r"):
-                            line = line[:-1]
+                    if line.endswith(b"\r"):
+                        line = line[:-1]
                     yield line
 
     def spec(self) -> Any:
