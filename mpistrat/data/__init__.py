@@ -20,8 +20,13 @@ Where this differs from tf.data / tf.distribute, on purpose:
   step; iteration ends, and errors are raised on every rank, at the same step.
 * ``map(num_parallel_calls)`` and prefetching use threads (NumPy work releases
   the GIL; pure-Python work does not run in parallel). ``num_parallel_reads``
-  interleaves files round-robin in one thread. ``cache(filename)`` is not
+  reads files in interleave order (block length 1) in one thread. ``cache(filename)`` is not
   supported; ``VarLenFeature`` parses to a dense 1-D array.
+* Batches are cut like ``numpy.array_split`` (DESIGN.md): 4 rows on 3 replicas give
+  2, 1, 1 rows, where TF's MirroredStrategy gives 2, 2, 0 for batches of unknown size.
+* ``experimental_distribute_dataset`` rejects ``experimental_place_dataset_on_device``
+  (TF ignores it there); with ``distribute_datasets_from_function`` and PER_REPLICA it
+  places each replica's values on its device as they are handed out.
 """
 
 from . import experimental
