@@ -11,5 +11,5 @@ cd "$repo"
 np="${MPISTRAT_NP:-4}"
 progress=()
 if [ -t 2 ]; then progress=(--progress); fi  # the ranks write to mpiexec's pipes: ask rank 0 for its bar
-echo "[main job] mpiexec -n $np python examples/train.py ${progress[*]} $*"
+echo "[main job] mpiexec -n $np python examples/train.py${progress[*]:+ ${progress[*]}}${*:+ $*}"
 exec timeout -k 10 "${MPISTRAT_TIMEOUT:-900}" mpiexec -n "$np" python examples/train.py "${progress[@]}" "$@"
