@@ -85,7 +85,7 @@ def test_module_entry_point_help():
 
 
 @pytest.mark.timeout(150)
-def test_four_ranks_reach_90_percent_quickly(data_dir, tmp_path):
+def test_four_ranks_reach_90_percent_and_only_rank_0_prints(data_dir, tmp_path):
     t0 = time.monotonic()
     result = run_train(4, "--epochs", "6", "--data-dir", data_dir, "--checkpoint-dir", str(tmp_path / "ck"),
                        "--checkpoint-every", "2")
