@@ -10,6 +10,12 @@ when the node has more ranks than cores), then polls that yield the CPU
 (``sched_yield``), then, after 50 ms, sleeps backing off to 1 ms, so waiting
 ranks leave the CPU to ranks that compute.
 
+* **Stall.** While polling, after ``MPISTRAT_STALL_WARNING_SECONDS``
+  (default 60) and again at every further interval, a waiting rank asks every
+  peer where it is, and the lowest-ranked waiting rank (rank 0 when it is
+  among them) logs which ranks have not arrived and what the waiting ranks
+  submitted (:mod:`mpistrat.comm.stall`). ``MPISTRAT_STALL_SHUTDOWN_SECONDS``
+  shortens the timeout below (an error on every rank).
 * **Mismatch.** When the fingerprints differ (op, array count, shapes,
   dtypes, call kind, root...), every rank has seen every fingerprint, so all
   of them gather the call signatures (everyone is present by then) and raise
@@ -32,6 +38,11 @@ ranks leave the CPU to ranks that compute.
   later calls raise :class:`CommunicatorBrokenError`.  Nothing in this path
   blocks: every receive follows a matched probe and every send is
   non-blocking and small.
+* **A rank that exited.** At exit (``atexit``), a rank tells the peers of
+  each of its live guards how many checks it made. A peer waiting in a later
+  collective of that guard can never be joined: it raises
+  :class:`PeerExitedError` at once, naming the rank (a rank that finished
+  its loop early: uneven step counts), instead of waiting for the timeout.
 
 The data transfer after a passed check uses blocking MPI calls: everyone has
 arrived, so it can only hang if a rank dies in between (the launcher then
@@ -44,7 +55,9 @@ print its traceback (prefixed with the rank) and end the whole job with
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import math
 import os
 import sys
 import threading
@@ -56,11 +69,14 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .stall import STALL_SHUTDOWN_ENV, format_stall, report_stall, stall_settings
+
 __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommunicatorBrokenError",
+    "PeerExitedError",
     "AgreementGuard",
     "CallKey",
     "call_key",
@@ -79,7 +95,7 @@ NO_ABORT_HOOK_ENV = "MPISTRAT_NO_ABORT_HOOK"
 _SPIN_SECONDS = 2e-4
 _YIELD_SECONDS = 0.05
 _MAX_SLEEP = 1e-3
-_TAG_QUERY, _TAG_REPLY, _TAG_ABANDON, _TAG_RESOLVED = 1, 2, 3, 4
+_TAG_QUERY, _TAG_REPLY, _TAG_ABANDON, _TAG_RESOLVED, _TAG_EXITED = 1, 2, 3, 4, 5
 
 # A call signature: (kind, params, arrays); params is a tuple of (name, value)
 # pairs, arrays a tuple of (shape, dtype string). Plain tuples: hashable,
@@ -118,6 +134,14 @@ class CollectiveTimeoutError(CollectiveError):
 
 class CommunicatorBrokenError(CollectiveError):
     """A communicator was used after one of its collectives timed out."""
+
+
+class PeerExitedError(CollectiveError):
+    """A collective can never complete: ``exited_ranks`` ended their programs without joining it."""
+
+    def __init__(self, message: str, exited_ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.exited_ranks = list(exited_ranks)
 
 
 # --------------------------------------------------------------------------- call signatures
@@ -276,6 +300,8 @@ class AgreementGuard:
         self._spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
         self.broken: str | None = None
         self.abandoned_seq: int | None = None
+        self._stall_warning, self._stall_shutdown = stall_settings()
+        self._exited: dict[int, tuple] = {}  # rank -> (its last seq, how it ended)
         _LIVE.add(self)
 
     # ---------------------------------------------------------------- public
@@ -290,6 +316,9 @@ class AgreementGuard:
         """
         if self.broken is not None:
             raise CommunicatorBrokenError(self.broken)
+        shutdown = self._stall_shutdown
+        if shutdown and shutdown < timeout:
+            timeout = shutdown
         if h is None:
             h = fingerprint(key)
         self.seq += 1
@@ -356,6 +385,8 @@ class AgreementGuard:
             # after _YIELD_SECONDS sleep between polls, backing off to 1 ms.
             yield_end = start + _YIELD_SECONDS
             next_service = start + 1e-3
+            interval = self._stall_warning
+            next_stall = start + interval if interval > 0 else math.inf
             delay = 5e-5
             while True:
                 if req.Test():
@@ -363,9 +394,15 @@ class AgreementGuard:
                 now = time.monotonic()
                 if now >= next_service:
                     _service_all()
+                    if self._exited or self._query.Iprobe(MPI.ANY_SOURCE, _TAG_EXITED):
+                        self._peer_exited(key)
                     if self._query.Iprobe(MPI.ANY_SOURCE, _TAG_ABANDON):
                         self._abandoned_while_waiting(key)
-                    next_service = now + 1e-3
+                    if next_stall <= now < deadline:
+                        if self._inspect_stall(req, key, start):
+                            return False
+                        next_stall += interval
+                    next_service = time.monotonic() + 1e-3
                 if now >= deadline:
                     break
                 if now < yield_end:
@@ -398,10 +435,16 @@ class AgreementGuard:
             self._sends.append(self._query.isend((qid, state), dest=status.Get_source(), tag=_TAG_REPLY))
         self._sends = [r for r in self._sends if not r.Test()]
 
-    def _on_timeout(self, req: MPI.Request, key: CallKey, timeout: float, start: float) -> None:
+    def _others(self) -> list[int]:
+        return [r for r in range(self.size) if r != self.rank]
+
+    def _ask_peers(self, req: MPI.Request) -> dict[int, Any] | None:
+        """Ask every peer where it is; the answers that came within the grace
+        period (rank -> state, None if not waiting in a collective), or None
+        when ``req`` completed meanwhile."""
         self._qid += 1
         qid = (self.index, self.seq, self._qid)
-        others = [r for r in range(self.size) if r != self.rank]
+        others = self._others()
         for r in others:
             self._sends.append(self._query.isend(qid, dest=r, tag=_TAG_QUERY))
         replies: dict[int, Any] = {}
@@ -409,7 +452,7 @@ class AgreementGuard:
         grace_end = time.monotonic() + _grace_seconds()
         while len(replies) < len(others) and time.monotonic() < grace_end:
             if req.Test():
-                return self._resolved(others)  # everybody arrived after all
+                return None
             _service_all()
             while True:
                 msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_REPLY, status)
@@ -419,16 +462,27 @@ class AgreementGuard:
                 if rqid == qid:
                     replies[status.Get_source()] = state
             time.sleep(1e-3)
-        if req.Test():
-            return self._resolved(others)
-        present = [self.rank]
-        missing, elsewhere = [], []
-        for r in others:
+        return None if req.Test() else replies
+
+    def _classify(self, key: CallKey, replies: dict[int, Any]) -> tuple:
+        """From peers' answers: ``(present, missing, silent, elsewhere, submitted)``.
+
+        ``present`` ranks wait in (or timed out of) this collective, ``missing``
+        ones do not; ``silent`` missing ranks did not answer; ``elsewhere``
+        describes missing ranks waiting in another collective; ``submitted``
+        maps each present rank's call description to its ranks.
+        """
+        present, missing, elsewhere = [self.rank], [], []
+        submitted: dict[str, list[int]] = {describe_call(key): [self.rank]}
+        for r in self._others():
             state = replies.get(r)
             if state is None:
                 missing.append(r)
-            elif state[0] == "abandoned" or (state[0] == self.index and state[1] == self.seq):
+            elif state[0] == "abandoned":
                 present.append(r)
+            elif state[0] == self.index and state[1] == self.seq:
+                present.append(r)
+                submitted.setdefault(state[2], []).append(r)
             else:
                 missing.append(r)
                 elsewhere.append(
@@ -436,10 +490,37 @@ class AgreementGuard:
                     f"({state[2]}) since {state[3]:.1f} s"
                 )
         silent = [r for r in missing if replies.get(r) is None]
+        return present, missing, silent, elsewhere, submitted
+
+    def _inspect_stall(self, req: MPI.Request, key: CallKey, start: float) -> bool:
+        """Report a stalled collective (from the lowest waiting rank); True if it completed meanwhile."""
+        replies = self._ask_peers(req)
+        if replies is None:
+            return True
+        present, missing, silent, elsewhere, submitted = self._classify(key, replies)
+        if missing and self.rank == min(present):
+            what = f"collective #{self.seq} of communicator #{self.index} ({describe_call(key)})"
+            message = format_stall(self.rank, what, time.monotonic() - start, missing, silent, elsewhere,
+                                   submitted, self._stall_warning, self._stall_shutdown)
+            report_stall(message, seq=self.seq, missing=missing)
+        return False
+
+    def _limit(self, timeout: float) -> str:
+        """Which setting ended a wait of ``timeout`` seconds, as ``name=value``."""
+        name = STALL_SHUTDOWN_ENV if timeout == self._stall_shutdown else "timeout_seconds"
+        return f"{name}={timeout:g}"
+
+    def _on_timeout(self, req: MPI.Request, key: CallKey, timeout: float, start: float) -> None:
+        others = self._others()
+        replies = self._ask_peers(req)
+        if replies is None:
+            return self._resolved(others)  # everybody arrived after all
+        present, missing, silent, elsewhere, _ = self._classify(key, replies)
         waited = time.monotonic() - start
+        limit = self._limit(timeout)
         parts = [
             f"Collective #{self.seq} ({describe_call(key)}) timed out on rank {self.rank} "
-            f"after {waited:.1f} s (timeout_seconds={timeout:g}): {_ranks(missing)} never arrived"
+            f"after {waited:.1f} s ({limit}): {_ranks(missing)} never arrived"
         ]
         if silent:
             parts.append(
@@ -450,15 +531,42 @@ class AgreementGuard:
         parts.append(f"present (waiting or timed out too): {_ranks(present)}")
         message = "; ".join(parts) + "."
         for r in others:
-            self._sends.append(self._query.isend((self.seq, self.rank, timeout), dest=r, tag=_TAG_ABANDON))
+            self._sends.append(self._query.isend((self.seq, self.rank, limit), dest=r, tag=_TAG_ABANDON))
         self._flush_sends()
         self.broken = f"a collective of this communicator timed out earlier ({message})"
         self.abandoned_seq = self.seq
         raise CollectiveTimeoutError(message, missing_ranks=missing)
 
+    def _peer_exited(self, key: CallKey) -> None:
+        """Raise if a peer exited before joining the collective we wait in."""
+        status = MPI.Status()
+        while True:
+            msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_EXITED, status)
+            if msg is None:
+                break
+            self._exited[status.Get_source()] = msg.recv()
+        gone = sorted(r for r, (seq, _) in self._exited.items() if seq < self.seq)
+        if not gone:
+            return
+        how = "; ".join(f"rank {r} {self._exited[r][1]} after its collective #{self._exited[r][0]}" for r in gone)
+        message = (
+            f"Collective #{self.seq} ({describe_call(key)}) can never complete on rank {self.rank}: "
+            f"{_ranks(gone)} exited without joining it ({how}). Every rank must make the same collective "
+            "calls in the same order: did a rank run fewer steps (uneven data, a loop that ended early)? "
+            "A distributed dataset ends on every rank at the same step."
+        )
+        self.broken = f"a peer of this communicator has exited ({message})"
+        raise PeerExitedError(message, exited_ranks=gone)
+
+    def _announce_exit(self, how: str) -> None:
+        """Tell every peer that this process is exiting after ``self.seq`` checks."""
+        if self.broken is None and self._query != MPI.COMM_NULL:
+            for r in self._others():
+                self._sends.append(self._query.isend((self.seq, how), dest=r, tag=_TAG_EXITED))
+
     def _abandoned_while_waiting(self, key: CallKey) -> None:
         status = MPI.Status()
-        givers, their_timeout = [], 0.0
+        givers, their_limit = [], ""
         while True:
             msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_ABANDON, status)
             if msg is None:
@@ -466,11 +574,11 @@ class AgreementGuard:
             payload = msg.recv()
             if payload[0] == self.seq:
                 givers.append(status.Get_source())
-                their_timeout = payload[2]
+                their_limit = payload[2]
         if givers:
             message = (
                 f"Collective #{self.seq} ({describe_call(key)}) was abandoned while rank {self.rank} waited: "
-                f"{_ranks(givers)} gave up after timeout_seconds={their_timeout:g}."
+                f"{_ranks(givers)} gave up after {their_limit}."
             )
             self.broken = f"a collective of this communicator timed out earlier ({message})"
             self.abandoned_seq = self.seq
@@ -503,7 +611,7 @@ class AgreementGuard:
         deadlines = values[2::3]
         pending = {r for r, d in enumerate(deadlines) if d < arrival and r != self.rank}
         givers: list[int] = []
-        their_timeout = timeout
+        their_limit = self._limit(timeout)
         latest = max([deadlines[r] for r in pending], default=arrival) / 1000.0
         end = time.monotonic() + max(0.0, latest - time.time()) + 3 * _grace_seconds() + 1.0
         while True:
@@ -520,10 +628,12 @@ class AgreementGuard:
                     self._sends.append(self._query.isend((payload, state), dest=source, tag=_TAG_REPLY))
                 elif tag == _TAG_ABANDON and payload[0] == self.seq:
                     givers.append(source)
-                    their_timeout = payload[2]
+                    their_limit = payload[2]
                     pending.discard(source)
                 elif tag == _TAG_RESOLVED and payload == self.seq:
                     pending.discard(source)
+                elif tag == _TAG_EXITED:
+                    self._exited[source] = payload  # raised on at our next wait
                 # anything else: stale replies or notices of earlier collectives
             if not pending or time.monotonic() >= end:
                 break
@@ -532,7 +642,7 @@ class AgreementGuard:
         if givers or pending:
             parts = []
             if givers:
-                parts.append(f"{_ranks(givers)} gave up waiting after timeout_seconds={their_timeout:g}")
+                parts.append(f"{_ranks(givers)} gave up waiting after {their_limit}")
             if pending:
                 parts.append(f"{_ranks(sorted(pending))} timed out and sent no verdict")
             message = (
@@ -542,6 +652,30 @@ class AgreementGuard:
             self.broken = f"a collective of this communicator timed out earlier ({message})"
             self.abandoned_seq = self.seq
             raise CollectiveTimeoutError(message, abandoned_by=sorted(set(givers) | pending))
+
+
+def _how_this_process_ends() -> str:
+    exc = getattr(sys, "last_value", None)  # set when an uncaught exception was printed
+    if exc is not None:
+        return f"ended with an uncaught {type(exc).__name__}"
+    return "ended its program (returned or called sys.exit)"
+
+
+def _announce_exit() -> None:
+    """At exit: tell the peers of every live guard (see :class:`PeerExitedError`)."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    guards = list(_LIVE)
+    how = _how_this_process_ends()
+    for guard in guards:
+        guard._announce_exit(how)
+    for guard in guards:
+        guard._flush_sends()
+
+
+# Before the atexit hooks (threading's exit hooks run first), some of which free
+# shared-memory windows collectively and would block while peers wait.
+getattr(threading, "_register_atexit", atexit.register)(_announce_exit)
 
 
 # --------------------------------------------------------------------------- abort on exception
