@@ -405,3 +405,22 @@ def test_streamed_slots_survive_a_slow_reader(monkeypatch):
         assert not (slow and b.direct) or len(calls) > 3
     finally:
         b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_synchronisation_path_gives_the_reduce_scatter_bits(backend):
+    """Every rank summing all segments (small buckets) adds in the reduce-scatter's order: same bits."""
+    comm = MPI.COMM_WORLD
+    x = _data(70001, "float32", comm.rank, seed=3) * np.float32(1e3)
+    pieces_result = _run(backend, x, "sum")
+    if backend.direct_max_bytes < 0:
+        assert backend.layout.num_nodes > 1  # hierarchical: always the reduce-scatter
+        return
+    out = np.empty_like(x)
+    backend.direct_max_bytes, saved = 1 << 40, backend.direct_max_bytes
+    try:
+        backend.pack_buffer(x.size, x.dtype)[:] = x
+        backend.allreduce_packed_to(x.size, x.dtype, "sum", out)
+    finally:
+        backend.direct_max_bytes = saved
+    assert np.array_equal(out, pieces_result)

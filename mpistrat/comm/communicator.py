@@ -10,8 +10,8 @@ also carries per-rank sizes or codes where a call needs them), honouring
   ``bytes_per_pack`` (:mod:`~mpistrat.comm.fusion`), one MPI call per
   bucket through the first enabled backend (:mod:`~mpistrat.comm.backends`).
   A bucket holding one contiguous array is reduced without packing: straight
-  to MPI when reduced in place or below 1 MiB, unless the chosen backend is
-  ``direct`` (see :data:`SINGLE_ARRAY_BACKEND_MIN_BYTES`).
+  to MPI when reduced in place or below 1 MiB, unless the chosen backend
+  takes it in one synchronisation (see :data:`SINGLE_ARRAY_BACKEND_MIN_BYTES`).
   Plans, buckets and result arrays are cached per call signature, so the
   hot path allocates nothing for shapes it has seen; results handed out are
   never overwritten by later calls (see :class:`~mpistrat.comm.fusion.ResultPool`).
@@ -54,10 +54,10 @@ _PLAN_CACHE_MAX = 512
 # copy anyway, so from this size the backend table chooses: copying into the
 # node shared-memory window and reducing there beat MPICH's send/receive
 # Allreduce at 1-64 MiB here (about 1.1-1.6x at 2 and 4 ranks). A backend
-# with ``direct`` set (shared memory with two ranks on one node: one
-# synchronisation per call) takes single arrays, in place or not, from its
-# own threshold: measured 0.9-1.06x raw in-place MPI at 16-256 KiB where
-# MPICH's send/receive form gave 0.63-0.72x.
+# also takes single arrays, in place or not, up to its ``direct_max_bytes``
+# (shared memory on one node: one synchronisation per call; every size with
+# two ranks): measured 0.9-1.06x raw in-place MPI at 16-256 KiB at 2 ranks,
+# where MPICH's send/receive form gave 0.63-0.72x.
 SINGLE_ARRAY_BACKEND_MIN_BYTES = 1 << 20
 _DTYPE_STR: dict = {}  # dtype -> dtype.str (the attribute builds a new string on every access)
 
@@ -305,8 +305,10 @@ class RankCommunicator:
                 if kind == _HOST:
                     # the first enabled backend (shared memory, MPI); MPI takes one array unpacked
                     backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
-                    if len(b.members) == 1 and not getattr(backend, "direct", False) and (
-                        inplace or b.nbytes < SINGLE_ARRAY_BACKEND_MIN_BYTES
+                    if (
+                        len(b.members) == 1
+                        and b.nbytes > getattr(backend, "direct_max_bytes", -1)
+                        and (inplace or b.nbytes < SINGLE_ARRAY_BACKEND_MIN_BYTES)
                     ):
                         backend = self._host_backends[-1]  # one array: straight to plain MPI
                     xp = np
