@@ -28,12 +28,13 @@ ranks of each node, P the smallest node's size.
 Results wanted in private memory (what the communicator hands out) skip the
 pieces: ``allreduce_packed_to(count, dtype, op, out)``, and
 ``allreduce_array(src, dst, op)`` for one contiguous array (no caller-side
-packing). With two ranks on one node (``direct``) they need one
-synchronisation, not two: each rank sums both segments straight into its
-output (``a + b``, the same bits on both ranks), and a long array streams
-through a ring of :data:`STREAM_BYTES` in ``block_bytes`` chunks, one
-synchronisation per chunk, so the window stays in cache. Otherwise they run
-the reduce-scatter above and copy the pieces out.
+packing). On one node, up to ``direct_max_bytes`` (any size with two ranks,
+:data:`DIRECT_MAX_BYTES` with more), they need one synchronisation, not two:
+every rank sums all segments straight into its output, in the reduce-scatter's
+order (the same bits on every rank and on both paths). With two ranks
+(``direct``) a long array streams through a ring of :data:`STREAM_BYTES` in
+``block_bytes`` chunks, one synchronisation per chunk, so the window stays in
+cache. Otherwise they run the reduce-scatter above and copy the pieces out.
 
 Buckets bigger than the window: the window grows (a collective reallocation,
 to the next power of two, at most ``max_bytes`` per bucket) inside
@@ -79,7 +80,7 @@ from mpi4py import MPI
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout, pretend_nodes_from_env
 
-__all__ = ["ShmAllreduceBackend", "STREAM_BYTES", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "parse_bytes"]
+__all__ = ["ShmAllreduceBackend", "DIRECT_MAX_BYTES", "STREAM_BYTES", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "parse_bytes"]
 
 SUPPORTED_OPS = ("sum", "min", "max")
 _UFUNCS = {"sum": np.add, "min": np.minimum, "max": np.maximum}
@@ -288,10 +289,10 @@ class ShmAllreduceBackend:
     def allreduce_packed_to(self, count: int, dtype: np.dtype, op: str, out: np.ndarray) -> None:
         """Reduce what every rank packed straight into ``out`` (1-D, ``count`` items, private memory).
 
-        Two ranks on one node: one synchronisation, then each rank sums both
-        segments into ``out`` (one pass, no copy out of the window; ``a + b``
-        is the same on both ranks). Otherwise the reduce-scatter of
-        :meth:`allreduce_packed`, then the pieces are copied into ``out``.
+        Up to ``direct_max_bytes``: one synchronisation, then each rank sums
+        all segments into ``out`` (no copy out of the window). Otherwise the
+        reduce-scatter of :meth:`allreduce_packed`, then the pieces are copied
+        into ``out``.
         """
         if count * np.dtype(dtype).itemsize > self.direct_max_bytes:
             for start, piece in self.allreduce_packed(count, dtype, op):
