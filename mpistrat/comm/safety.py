@@ -230,7 +230,7 @@ def format_mismatch(keys: Sequence[CallKey], seq: int) -> str:
     arrays = [k[2] for k in keys]
     counts = {len(a) for a in arrays}
     if len(counts) > 1:
-        parts = [f"{_ranks(r)} sent {n} arrays" for n, r in _group([len(a) for a in arrays])]
+        parts = [f"{_ranks(r)} sent {n} array{'' if n == 1 else 's'}" for n, r in _group([len(a) for a in arrays])]
         return f"Mismatched {kind} array counts {where}: " + "; ".join(parts)
     focus = next(i for i in range(len(arrays[0])) if len({a[i] for a in arrays}) > 1)
     dtypes_differ = len({a[focus][1] for a in arrays}) > 1
