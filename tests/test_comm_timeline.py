@@ -18,6 +18,8 @@ def test_timeline_has_checks_and_collectives(comm, mpi_tmp_path):
             rc.allreduce([np.ones(8, np.float32), np.ones(4, np.float64), np.ones(2, np.float32)], "max")
             rc.allreduce([np.ones(1000, np.float32)], "sum", inplace=True)
             rc.step_agreement(0)
+            rc.broadcast([np.ones(3), np.ones(2, np.float32)])
+            rc.allgather(np.ones((2, 3), np.float32))
         finally:
             merged = timeline.stop()
     if comm.rank != 0:
@@ -32,9 +34,13 @@ def test_timeline_has_checks_and_collectives(comm, mpi_tmp_path):
         for c in collectives:
             assert c["args"]["wait_us"] >= 0 and c["args"]["transfer_us"] >= 0
             assert c["args"]["wait_us"] + c["args"]["transfer_us"] <= c["dur"] + 1
+        others = [(e["name"], e["args"]["bytes"], e["args"]["arrays"]) for e in mine
+                  if e["cat"] == "collective" and e["name"] != "allreduce"]
+        assert others == [("broadcast", 3 * 8 + 2 * 4, 2), ("allgather", comm.size * 6 * 4, 1)]
         checks = [e for e in mine if e["cat"] == "check"]
         if comm.size > 1:
-            assert [c["args"]["call"] for c in checks] == ["allreduce", "allreduce", "step_agreement"]
+            assert [c["args"]["call"] for c in checks] == ["allreduce", "allreduce", "step_agreement", "broadcast",
+                                                           "allgather"]
             assert checks[0]["args"]["seq"] + 2 == checks[2]["args"]["seq"]
         else:
             assert checks == []  # one rank: nothing to agree on

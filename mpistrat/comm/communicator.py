@@ -28,8 +28,9 @@ A communicator is used by one thread at a time.
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -98,6 +99,22 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def _traced(name: str) -> Callable:
+    """Record a collective method in the timeline (bytes and count of the arrays it returns)."""
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def traced(self: "RankCommunicator", *args: Any, **kwargs: Any) -> Any:
+            if not timeline.enabled():
+                return method(self, *args, **kwargs)
+            t0 = timeline.now_us()
+            result = method(self, *args, **kwargs)
+            arrays = result if isinstance(result, list) else [result]
+            self._record(name, t0, sum(int(a.nbytes) for a in arrays), arrays=len(arrays))
+            return result
+        return traced
+    return wrap
 
 
 class _Step:
@@ -411,6 +428,7 @@ class RankCommunicator:
 
     # ------------------------------------------------------------------ all-gather
 
+    @_traced("allgather")
     def allgather(self, array: Any, axis: int = 0, options: CommunicationOptions | None = None) -> Any:
         """Concatenate every rank's ``array`` along ``axis`` (rank order).
 
@@ -462,6 +480,7 @@ class RankCommunicator:
 
     # ------------------------------------------------------------------ broadcast
 
+    @_traced("broadcast")
     def broadcast(self, arrays: Sequence[Any], root: int = 0, options: CommunicationOptions | None = None) -> list:
         """Every rank gets ``root``'s arrays (new arrays; inputs untouched).
 
