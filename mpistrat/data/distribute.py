@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, List, Optional as _Opt
 
 import numpy as np
 
-from .. import nest
+from .. import nest, timeline
 from ..devices import device_index, is_gpu, to_device
 from ..input_options import InputContext, InputOptions, InputReplicationMode, InputWorkerInfo
 from ..values import PerReplica
@@ -291,6 +291,13 @@ class DistributedIterator:
         raise self._error from exc
 
     def __next__(self) -> Any:
+        if not timeline.enabled():
+            return self._next()
+        # The time the replicas waited for their next batch (reading, agreement, placement).
+        with timeline.span("next", "input", replicas=self._info.num_local_replicas):
+            return self._next()
+
+    def _next(self) -> Any:
         if self._error is not None:
             raise self._error
         if self._finished:
