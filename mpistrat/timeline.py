@@ -8,10 +8,14 @@ process track per rank (pid = rank), one thread track per Python thread.
 
 Events are complete events (``"ph": "X"``) with microsecond wall-clock
 timestamps, so ranks on one node line up. Categories: ``step`` (a
-``strategy.run``), ``collective`` (op, bytes, buckets; with ``wait_us``, the
-time spent waiting for the other ranks to arrive, and ``transfer_us``),
-``check`` (the agreement check before a collective), ``input`` (time a
-replica waited for its next batch).
+``strategy.run``: function name, local replicas), ``collective``
+(``allreduce``, ``broadcast``, ``allgather``: bytes, arrays, op and buckets
+for all-reduces; ``wait_us``, the time spent waiting for the other ranks to
+arrive, i.e. in the agreement check, and ``transfer_us``, the rest),
+``check`` (the agreement check before a collective: call, sequence number),
+``input`` (``next``: the time this rank's replicas waited for their next
+batch from a distributed iterator), ``stall`` (a stall inspector report,
+zero duration). README.md ("Reading the timeline") explains how to read it.
 
 Recording costs one ``if`` when the timeline is off (``enabled()``).
 """
