@@ -9,8 +9,9 @@ also carries per-rank sizes or codes where a call needs them), honouring
   ``__cuda_array_interface__`` objects) and dtype into buckets of up to
   ``bytes_per_pack`` (:mod:`~mpistrat.comm.fusion`), one MPI call per
   bucket through the first enabled backend (:mod:`~mpistrat.comm.backends`).
-  A bucket holding one contiguous array is reduced without packing (see
-  :data:`SINGLE_ARRAY_BACKEND_MIN_BYTES` for when it goes to plain MPI).
+  A bucket holding one contiguous array is reduced without packing, in place
+  or into the result (the shared-memory backend copies it into its window:
+  from 16 KiB that beat MPICH's in-place and send/receive ``Allreduce`` here).
   Plans, buckets and result arrays are cached per call signature, so the
   hot path allocates nothing for shapes it has seen; results handed out are
   never overwritten by later calls (see :class:`~mpistrat.comm.fusion.ResultPool`).
@@ -49,14 +50,6 @@ _HOST, _CUPY, _CAI = 0, 1, 2
 _KIND_NAMES = {_HOST: "NumPy", _CUPY: "CuPy", _CAI: "__cuda_array_interface__"}
 _SCALARS = (int, float, complex, np.generic)
 _PLAN_CACHE_MAX = 512
-# A bucket holding one array goes straight to plain MPI when smaller than
-# this, unless the chosen backend takes it in one synchronisation (its
-# ``direct_max_bytes``: shared memory on one node, any size with two ranks):
-# measured 0.9-1.06x raw in-place MPI at 16-256 KiB at 2 ranks, where MPICH's
-# send/receive form gave 0.63-0.72x. From this size the backend table chooses,
-# in place or not: copying into the node shared-memory window and reducing
-# there beat MPICH at 1-64 MiB here (1.1-3x at 4 ranks, in place too).
-SINGLE_ARRAY_BACKEND_MIN_BYTES = 1 << 20
 _DTYPE_STR: dict = {}  # dtype -> dtype.str (the attribute builds a new string on every access)
 
 
@@ -317,12 +310,9 @@ class RankCommunicator:
                 ]
             for b in buckets:
                 if kind == _HOST:
-                    # the first enabled backend (shared memory, MPI); MPI takes one array unpacked
+                    # The first enabled backend (shared memory, MPI), for one array too:
+                    # both take one contiguous array unpacked (allreduce_array).
                     backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
-                    if len(b.members) == 1 and getattr(backend, "direct_max_bytes", -1) < b.nbytes < (
-                        SINGLE_ARRAY_BACKEND_MIN_BYTES
-                    ):
-                        backend = self._host_backends[-1]  # one array: straight to plain MPI
                     xp = np
                 else:
                     backend = self._device()

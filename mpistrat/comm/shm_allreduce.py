@@ -28,13 +28,10 @@ ranks of each node, P the smallest node's size.
 Results wanted in private memory (what the communicator hands out) skip the
 pieces: ``allreduce_packed_to(count, dtype, op, out)``, and
 ``allreduce_array(src, dst, op)`` for one contiguous array (no caller-side
-packing). On one node, up to ``direct_max_bytes`` (any size with two ranks,
-:data:`DIRECT_MAX_BYTES` with more), they need one synchronisation, not two:
-every rank sums all segments straight into its output, in the reduce-scatter's
-order (the same bits on every rank and on both paths). With two ranks
-(``direct``) a long array streams through a ring of :data:`STREAM_BYTES` in
-``block_bytes`` chunks, one synchronisation per chunk, so the window stays in
-cache. Otherwise they run the reduce-scatter above and copy the pieces out.
+packing). On one node, buckets up to ``direct_max_bytes`` need one
+synchronisation, not two: every rank sums all segments straight into its
+output, in the reduce-scatter's order (the same bits on every rank and on both
+paths). Otherwise the reduce-scatter above runs and the pieces are copied out.
 
 Buckets bigger than the window: the window grows (a collective reallocation,
 to the next power of two, at most ``max_bytes`` per bucket) inside
@@ -54,8 +51,7 @@ Environment knobs (constructor arguments override them):
   ``auto`` (default: measured at start-up, once per process and rank set).
 * ``MPISTRAT_SHM_MAX_BYTES``: largest bucket, per rank (default 64M). The
   window takes ``2 x`` this per rank at most (two buckets).
-* ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment, and the chunk
-  of a streamed ``allreduce_array`` (default 256K).
+* ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
 * ``MPISTRAT_SHM_SYNC``: ``barrier``, ``counter`` or ``auto`` (default, which
   is ``counter``: measured as fast or faster than ``Barrier`` at every size,
   at 2 and 4 ranks; only ``counter`` honours ``timeout_seconds``).
@@ -80,7 +76,14 @@ from mpi4py import MPI
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout, pretend_nodes_from_env
 
-__all__ = ["ShmAllreduceBackend", "DIRECT_MAX_BYTES", "STREAM_BYTES", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "parse_bytes"]
+__all__ = [
+    "ShmAllreduceBackend",
+    "DIRECT_MAX_BYTES",
+    "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_OPS",
+    "parse_bytes",
+]
 
 SUPPORTED_OPS = ("sum", "min", "max")
 _UFUNCS = {"sum": np.add, "min": np.minimum, "max": np.maximum}
@@ -94,19 +97,15 @@ _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum on
 _DEFAULT_MAX = 64 << 20
 _DEFAULT_BLOCK = 256 << 10
 _INITIAL = 1 << 20
-# allreduce_array (two ranks on a node): arrays up to this size are copied
-# into the window in one piece; larger ones stream through a ring this big.
-STREAM_BYTES = 4 << 20
-# allreduce_packed_to with more than two ranks on one node: every rank sums
-# all segments (one synchronisation) up to this size; the reduce-scatter
-# (two synchronisations, 1/n of the additions each) above.
-# Measured at 4 ranks on 2 cores: one synchronisation with every rank summing
-# all four segments was 5-10% faster than the reduce-scatter from 4 KiB to
-# 1 MiB; kept small because the additions grow with the ranks per node.
-DIRECT_MAX_BYTES = 512 << 10
-# From 16 KiB: at 4 KiB the window path (~3.5 us of Python per call plus two
-# node synchronisations) only breaks even with MPICH's small-message
-# all-reduce (0.8-1.25x over runs at 2 and 4 ranks), so it is never chosen.
+# allreduce_packed_to on one node: up to this size every rank sums all
+# segments after one synchronisation; above it the reduce-scatter (two
+# synchronisations, 1/n of the additions each). Measured at 2 ranks: one
+# synchronisation wins at 16 KiB (8.2 against 9.4 us) and 4 MiB, the
+# reduce-scatter at 256 KiB-2 MiB (1 MiB: 108 against 138 us). When ranks
+# outnumber cores a synchronisation costs scheduler time: 4 ranks on 2 cores
+# measured one synchronisation 5-10% faster from 4 KiB to 1 MiB.
+DIRECT_MAX_BYTES = 64 << 10
+DIRECT_MAX_BYTES_OVERSUBSCRIBED = 512 << 10
 _CALIBRATION_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
@@ -193,13 +192,6 @@ class ShmAllreduceBackend:
         lay = self.layout
         # Slice owners: local ranks [0, P) of every node, P the smallest node.
         self.owners = lay.comm.allreduce(lay.local_size, op=MPI.MIN)
-        # One node: results written to private memory need one synchronisation,
-        # not two, when every rank sums all segments (allreduce_packed_to);
-        # with two ranks that is always cheapest, with more only for small
-        # buckets (each rank then reads every segment whole).
-        self.direct = lay.num_nodes == 1 and lay.local_size == 2
-        single = lay.num_nodes == 1 and lay.local_size > 1
-        self.direct_max_bytes = (1 << 62) if self.direct else DIRECT_MAX_BYTES if single else -1
         self.max_bytes = int(max_bytes if max_bytes is not None else _env_bytes("MPISTRAT_SHM_MAX_BYTES", _DEFAULT_MAX))
         block = block_bytes if block_bytes is not None else _env_bytes("MPISTRAT_SHM_BLOCK_BYTES", _DEFAULT_BLOCK)
         if self.max_bytes < 0 or block is None or block <= 0:
@@ -217,6 +209,9 @@ class ShmAllreduceBackend:
         machine = lay.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.spin = default_spin(machine.Get_size())
         machine.Free()
+        # One node: buckets up to this size take one synchronisation (allreduce_packed_to).
+        direct = DIRECT_MAX_BYTES if self.spin else DIRECT_MAX_BYTES_OVERSUBSCRIBED
+        self.direct_max_bytes = direct if lay.num_nodes == 1 and lay.local_size > 1 else -1
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
         self._sync: NodeSync | None = None
@@ -313,41 +308,16 @@ class ShmAllreduceBackend:
     def allreduce_array(self, src: np.ndarray | MPI.BottomType, dst: np.ndarray, op: str) -> None:
         """Reduce one C-contiguous array into ``dst`` (``src`` may be ``MPI.IN_PLACE``; collective).
 
-        Two ranks on one node stream it through the window: each chunk is
-        copied into this rank's segment, one synchronisation, then each rank
-        sums both segments' chunk into ``dst``. Arrays up to
-        :data:`STREAM_BYTES` are one chunk; larger ones go in ``block_bytes``
-        chunks through a ring of ``STREAM_BYTES`` per rank, so the window stays
-        in cache and a slot is rewritten only long after the peer read it
-        (rewriting lines a peer has just read costs a cross-core invalidation
-        per line). Otherwise: packed whole, then :meth:`allreduce_packed_to`.
+        Copied into this rank's segment, then :meth:`allreduce_packed_to`.
+        (Streaming a long array through a small ring, one synchronisation per
+        chunk, kept the window in cache and was 1.2-2.6x faster at 16-64 MiB on
+        an idle node, but 1.5-3x slower than this on a busy one: every
+        synchronisation can cost a time slice there.)
         """
         source = (dst if src is MPI.IN_PLACE else src).reshape(-1)
         out = dst.reshape(-1)
-        count, dtype = out.shape[0], out.dtype
-        if not self.direct:
-            np.copyto(self.pack_buffer(count, dtype), source)
-            self.allreduce_packed_to(count, dtype, op, out)
-            return
-        self._check_dtype(dtype, op)
-        ufunc = _UFUNCS[op]
-        if count == 0:
-            return
-        itemsize = dtype.itemsize
-        ring = min(count * itemsize, max(STREAM_BYTES, self.block_bytes))
-        self._ensure_capacity(ring)
-        chunk = count if count * itemsize <= STREAM_BYTES else max(1, self.block_bytes // itemsize)
-        slots = max(1, (ring // itemsize) // chunk)
-        views = self._typed(self._bucket, dtype)
-        mine = views[self._local_rank()]
-        wait = self._sync.wait  # type: ignore[union-attr]
-        for k, lo in enumerate(range(0, count, chunk)):
-            hi = min(count, lo + chunk)
-            at = (k % slots) * chunk
-            np.copyto(mine[at : at + hi - lo], source[lo:hi])
-            wait()  # a slot is rewritten only after a later synchronisation: the peer is done with it
-            _sum_segments(ufunc, views, at, at + hi - lo, out[lo:hi])
-        self._bucket ^= 1
+        np.copyto(self.pack_buffer(out.shape[0], out.dtype), source)
+        self.allreduce_packed_to(out.shape[0], out.dtype, op, out)
 
     def _take_pending(self, count: int, dtype: np.dtype, op: str, what: str) -> tuple[np.ufunc, np.dtype]:
         """Check that ``pack_buffer(count, dtype)`` came first and ``op`` fits; the ufunc and dtype."""
