@@ -105,11 +105,14 @@ def test_uneven_pretend_nodes():
     try:
         sizes = comm.allgather(b.layout.local_size)
         assert len(set(sizes)) > 1 and b.owners == min(sizes)
-        for count in (1, 7, 5000):
+        for count in (1, 7, 5000, 300001):
             x = _data(count, "int64", comm.rank, seed=count)
             ref = x.copy()
             comm.Allreduce(MPI.IN_PLACE, ref)
             assert np.array_equal(_run(b, x, "sum"), ref)
+            out = np.empty_like(x)
+            b.allreduce_array(x, out, "sum")  # ranks owning no slice copy everything in
+            assert np.array_equal(out, ref)
     finally:
         b.close()
 
