@@ -18,7 +18,7 @@ from mpistrat.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from mpistrat.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
+from mpistrat.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
 from mpistrat.devices import DeviceSpec, device_of, to_device
 from mpistrat.distribute_lib import ReplicaContext, RunOptions, Strategy, StrategyExtended, ValueContext
 from mpistrat.mirrored import MirroredStrategy
@@ -55,7 +55,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "CrossDeviceOps", "DeviceSpec", "DistributedValues", "DistributedVariable", "Mirrored", "MirroredStrategy",
+    "CrossDeviceOps", "DeviceSpec", "HierarchicalCopyAllReduce", "DistributedValues", "DistributedVariable", "Mirrored", "MirroredStrategy",
     "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice",
     "ReplicaContext", "RunOptions", "Strategy", "StrategyExtended", "SyncOnReadVariable", "ValueContext",
     "Variable", "VariableAggregation", "VariableSynchronization", "device_of", "experimental_set_strategy",

@@ -23,13 +23,16 @@ import numpy as np
 from mpistrat import devices as dev
 from mpistrat.values import DistributedValues, Mirrored, ReduceOp
 
-__all__ = ["CrossDeviceOps", "ReductionToOneDevice", "NcclAllReduce", "select_cross_device_ops"]
+__all__ = ["CrossDeviceOps", "ReductionToOneDevice", "HierarchicalCopyAllReduce", "NcclAllReduce",
+           "select_cross_device_ops"]
 
 CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
 _COMM_OPS = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 
 
 def _as_array(value: Any, device: str | None = None) -> Any:
+    if type(value) is np.ndarray and device is None:
+        return value
     if device is not None:
         return dev.to_device(value, device)
     if hasattr(value, "__array_namespace__") or hasattr(value, "__cuda_array_interface__"):
@@ -38,11 +41,14 @@ def _as_array(value: Any, device: str | None = None) -> Any:
 
 
 def _divide(array: Any, n: int) -> Any:
+    """MEAN's division, as TF: floats keep their dtype, integers give a true (float64) quotient."""
     if n == 1:
         return array
-    if array.dtype.kind in "fc":
-        return array / array.dtype.type(n)
-    return (array / n).astype(array.dtype)
+    divisor = array.dtype.type(n) if array.dtype.kind in "fc" else n
+    if dev.is_gpu(dev.device_of(array)):
+        with dev.device_scope(dev.device_of(array)):
+            return array / divisor
+    return array / divisor
 
 
 def _shared_copy(value: Any, device: str) -> Any:
@@ -143,6 +149,15 @@ class CrossDeviceOps:
 
     def batch_reduce(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple], options: Any = None) -> list:
         """Reduce several values at once (one fused cross-rank call)."""
+        return self._batch_reduce(reduce_op, value_destination_pairs, options)
+
+    def _batch_reduce(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple], options: Any = None,
+                      replica_devices: Sequence[str] | None = None) -> list:
+        """``batch_reduce`` with the replicas' devices when the caller knows them (a strategy does).
+
+        Without them, each replica's device is taken from its first value
+        (NumPy values say CPU even on GPU replicas).
+        """
         if not value_destination_pairs:
             return []
         values = [v for v, _ in value_destination_pairs]
@@ -150,7 +165,8 @@ class CrossDeviceOps:
         num_local = len(local[0])
         if any(len(x) != num_local for x in local):
             raise ValueError("All values in batch_reduce must have the same number of local replicas")
-        source_devices = [dev.device_of(x) for x in local[0]]
+        source_devices = (list(replica_devices) if replica_devices is not None and len(replica_devices) == num_local
+                          else [dev.device_of(x) for x in local[0]])
         # Reduce everything onto the first replica's device, then place on the destinations.
         per_replica = [[local[k][i] for k in range(len(values))] for i in range(num_local)]
         reduced = self._reduce_to_one(reduce_op, per_replica, source_devices, options)
@@ -225,6 +241,23 @@ class ReductionToOneDevice(CrossDeviceOps):
         return acc
 
 
+class HierarchicalCopyAllReduce(ReductionToOneDevice):
+    """tf.distribute's hierarchical copy all-reduce, for code that names it.
+
+    TF reduces over a DGX-1-like GPU topology in packs; here a rank's local
+    replicas are reduced onto the first replica's device (as
+    ``ReductionToOneDevice``), and the cross-rank stage is the same MPI (or
+    shared-memory) all-reduce every backend uses. ``num_packs`` is accepted
+    and checked as TF does.
+    """
+
+    def __init__(self, num_packs: int = 1):
+        if num_packs < 0:
+            raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
+        super().__init__()
+        self.num_packs = num_packs
+
+
 class NcclAllReduce(CrossDeviceOps):
     """Reduce across the rank's GPUs with NCCL (``cupy.cuda.nccl``)."""
 
@@ -259,16 +292,18 @@ class NcclAllReduce(CrossDeviceOps):
 
         ids = self._ids(devices)
         comms = self._nccl_comms(ids)
-        arrays = [dev.to_device(v, d) for v, d in zip(values, devices)]
+        arrays = []
+        for v, d, i in zip(values, devices, ids):
+            with cupy.cuda.Device(i):  # NCCL reads C-ordered bytes
+                arrays.append(cupy.ascontiguousarray(dev.to_device(v, d)))
         dtype = self._NCCL_TYPES.get(arrays[0].dtype.name)
         if dtype is None:
             return ReductionToOneDevice()._local_reduce(op, values, devices)
         with cupy.cuda.Device(ids[0]):
-            out = cupy.empty_like(arrays[0])
+            out = cupy.empty(arrays[0].shape, arrays[0].dtype)  # C order, whatever the input's layout
         nccl.groupStart()
         for i, (comm, a) in enumerate(zip(comms, arrays)):
             with cupy.cuda.Device(ids[i]):
-                a = cupy.ascontiguousarray(a)
                 recv = out.data.ptr if i == 0 else a.data.ptr
                 comm.reduce(a.data.ptr, recv, a.size, getattr(nccl, dtype), getattr(nccl, self._NCCL_OPS[op]), 0,
                             cupy.cuda.get_current_stream().ptr)
@@ -286,10 +321,11 @@ class NcclAllReduce(CrossDeviceOps):
         if dtype is None:
             return super()._local_broadcast(value, devices)
         comms = self._nccl_comms(ids)
-        outs = [value]
+        with cupy.cuda.Device(ids[0]):
+            outs = [cupy.ascontiguousarray(dev.to_device(value, devices[0]))]
         for i in ids[1:]:
             with cupy.cuda.Device(i):
-                outs.append(cupy.empty_like(value))
+                outs.append(cupy.empty(value.shape, value.dtype))
         nccl.groupStart()
         for i, (comm, o) in enumerate(zip(comms, outs)):
             with cupy.cuda.Device(ids[i]):
@@ -304,9 +340,9 @@ def select_cross_device_ops(devices: Sequence[str]) -> CrossDeviceOps:
     """NCCL when every device is a GPU (and there are several), else ReductionToOneDevice."""
     if len(devices) > 1 and all(dev.is_gpu(d) for d in devices):
         try:
-            from cupy.cuda import nccl  # noqa: F401, PLC0415
-
-            return NcclAllReduce()
+            from cupy.cuda import nccl  # noqa: PLC0415
         except Exception:
-            pass
+            nccl = None
+        if getattr(nccl, "available", False):  # the module imports with any CuPy; NCCL may still be absent
+            return NcclAllReduce()
     return ReductionToOneDevice()

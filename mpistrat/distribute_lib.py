@@ -11,6 +11,7 @@ variable policy.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -177,11 +178,8 @@ class ReplicaContext:
         """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""
         self._require_current()
         op = ReduceOp.from_string(reduce_op)
-        if contains_distributed(value):
-            raise ValueError("all_reduce in replica context takes this replica's values; got a DistributedValues "
-                             "(pass it through strategy.run to unwrap it per replica).")
         ext = self._strategy.extended
-        flat = nest.flatten(value)
+        flat = _replica_leaves("all_reduce", value)
 
         def run_reduce(payloads: list) -> list:
             _check_agree("all_reduce", "reduce ops", [p[0].name for p in payloads])
@@ -195,10 +193,8 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenate every replica's ``value`` along ``axis``, in global replica order."""
         self._require_current()
-        if contains_distributed(value):
-            raise ValueError("all_gather in replica context takes this replica's values, not a DistributedValues.")
         ext = self._strategy.extended
-        flat = nest.flatten(value)
+        flat = _replica_leaves("all_gather", value)
 
         def run_gather(payloads: list) -> list:
             _check_agree("all_gather", "axes", [p[0] for p in payloads])
@@ -211,6 +207,21 @@ class ReplicaContext:
 
     def __repr__(self) -> str:
         return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, strategy={self._strategy!r})"
+
+
+def _replica_leaves(kind: str, value: Any) -> list:
+    """The leaves of a replica's ``value``; variables read as this replica's copy (one walk, no copies)."""
+    flat = nest.flatten(value)
+    for j, leaf in enumerate(flat):
+        if isinstance(leaf, DistributedValues):
+            if not getattr(leaf, "_is_variable", False):
+                raise ValueError(f"{kind} in replica context takes this replica's values; got a "
+                                 f"{type(leaf).__name__}, a DistributedValues (pass it through strategy.run to "
+                                 "unwrap it per replica).")
+            flat[j] = leaf.value()
+        elif getattr(leaf, "_is_variable", False):
+            flat[j] = leaf.value()
+    return flat
 
 
 def _check_same_leaves(kind: str, payloads: list) -> None:
@@ -284,7 +295,8 @@ class StrategyExtended:
         self._host_device = dev.host_device(task=worker_index, job=job)
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._local_devices)
         self._cross_device_ops._bind(communicator)
-        self._group = ReplicaGroup(self._num_local)
+        self._step_marker = threading.local()  # shared by this strategy's replica groups (nested runs)
+        self._group = ReplicaGroup(self._num_local, self._step_marker)
         weakref.finalize(self, self._group.close)  # stop replica threads with the strategy
 
     # -- properties ---------------------------------------------------------------
@@ -344,7 +356,7 @@ class StrategyExtended:
         strategy = self._container_strategy()
         # A run from inside a step (a merge_fn calling strategy.run) gets replica threads of its own.
         nested = self._group.in_step()
-        group = ReplicaGroup(self._num_local) if nested else self._group
+        group = ReplicaGroup(self._num_local, self._step_marker) if nested else self._group
         try:
             frames = [[Frame(strategy, ReplicaContext(strategy, self._global_replica_id(i), i, group.rendezvous))]
                       for i in range(self._num_local)]
@@ -378,8 +390,10 @@ class StrategyExtended:
         if isinstance(value, DistributedValues):
             comps = tuple(_read(v) for v in local_values(value, self._num_local))
             if op is ReduceOp.MEAN and getattr(value, "_is_mirrored", isinstance(value, Mirrored)):
-                return "place", comps[0]
+                return "place", _copy_if_variable(value, comps[0])
             return "reduce", comps
+        if getattr(value, "_is_variable", False):  # a plain variable: its value, not its storage
+            value = _copy_if_variable(value, value.value())
         if self._num_workers > 1 and self._num_local == 1:
             return "reduce", (value,)
         if op is ReduceOp.SUM:
@@ -413,7 +427,8 @@ class StrategyExtended:
             else:
                 results[k] = payload
         if pending:
-            reduced = self._cross_device_ops.batch_reduce(op, [(v, d) for _, v, d in pending], options)
+            reduced = self._cross_device_ops._batch_reduce(op, [(v, d) for _, v, d in pending], options,
+                                                           replica_devices=self._local_devices)
             for (k, _, _), r in zip(pending, reduced):
                 results[k] = r
         return results
@@ -445,8 +460,10 @@ class StrategyExtended:
                 raise ValueError("gather/all_gather needs arrays with at least one dimension; got a scalar")
             if not -h.ndim <= axis < h.ndim:
                 raise ValueError(f"axis {axis} is out of range for a value of rank {h.ndim}")
-        local = host[0] if len(host) == 1 else np.concatenate(host, axis=axis)
+        local = np.concatenate(host, axis=axis) if len(host) > 1 else host[0]
         comm = self._communicator
+        if len(host) == 1 and (comm is None or comm.size == 1):
+            return local.copy()  # a new array, never the caller's (or a variable's) storage
         if comm is not None and comm.size > 1:
             return comm.allgather(local, axis=axis % local.ndim, options=options)
         return local
@@ -506,13 +523,18 @@ class StrategyExtended:
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Place variables created inside on the same devices as ``colocate_with_variable``."""
-        previous = getattr(self, "_colocation", None)
-        self._colocation = colocate_with_variable
-        try:
-            yield
-        finally:
-            self._colocation = previous
+        """Place variables created inside on the same devices as ``colocate_with_variable``.
+
+        Every variable of this strategy already has one copy on each local
+        replica device, so this only checks its argument, as TF does.
+        """
+        if not context.has_strategy():
+            raise RuntimeError(f'Need to be inside "with strategy.scope()" for {self._container_strategy()}')
+        self._require_cross_replica_or_default_context()
+        if getattr(colocate_with_variable, "_distribute_strategy", None) is not self._container_strategy():
+            raise ValueError("`colocate_vars_with` must only be passed a variable created in this "
+                             f"tf.distribute.Strategy.scope(), not: {colocate_with_variable!r}")
+        yield
 
     def _create_variable(self, kwargs: dict) -> Any:
         from mpistrat import variables  # noqa: PLC0415  (variables import this module)
@@ -529,6 +551,13 @@ class StrategyExtended:
 
 def _is_array_like(value: Any) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype") and getattr(value, "ndim", 0) > 0
+
+
+def _copy_if_variable(source: Any, array: Any) -> Any:
+    """``array`` read from ``source``, copied when ``source`` is a variable (results never share its storage)."""
+    if getattr(source, "_is_variable", False) and hasattr(array, "copy"):
+        return array.copy()
+    return array
 
 
 def _read(value: Any) -> Any:
@@ -569,8 +598,6 @@ class Strategy:
             raise ValueError(f"`args` to `run` must be a list or tuple, got {type(args).__name__}: {args!r}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"`kwargs` to `run` must be a dict, got {type(kwargs).__name__}")
-        if context.get_replica_context() is not None and context.has_strategy():
-            raise RuntimeError("strategy.run cannot be called inside a replica function (already in replica context)")
         with self.scope():
             if not timeline.enabled():
                 return self._extended.call_for_each_replica(fn, args, kwargs)
@@ -605,8 +632,9 @@ class Strategy:
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's ``value`` along ``axis`` on the host (global replica order)."""
-        if not context.in_cross_replica_context() and context.has_strategy():
-            raise RuntimeError("`gather` must be called in cross-replica context; use ReplicaContext.all_gather")
+        self._extended._require_cross_replica_or_default_context()
+        if not contains_distributed(value) and self._extended._num_workers == 1:
+            return value  # as TF: in one process a value that is not per replica is already "gathered"
         comps = local_values(value, self._extended._num_local)
         comps = tuple(_read(c) for c in comps)
         return nest.map_structure(lambda *leaves: self._extended._gather_leaf(leaves, axis, None), *comps) \
@@ -647,6 +675,12 @@ class Strategy:
         return DistributedDatasetsFromFunction(dataset_fn, self._input_worker_info(), options)
 
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any) -> Any:
+        """A ``mpistrat.data.Dataset`` of the slices of ``numpy_input`` (arrays, tuples or dicts of them)."""
+        from mpistrat.data import Dataset  # noqa: PLC0415
+
+        return Dataset.from_tensor_slices(numpy_input)
 
     def _input_worker_info(self) -> Any:
         from mpistrat.input_options import InputWorkerInfo  # noqa: PLC0415

@@ -7,6 +7,7 @@ None) is a leaf.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 __all__ = ["is_nested", "flatten", "pack_sequence_as", "map_structure", "assert_same_structure", "structure_signature"]
@@ -34,8 +35,15 @@ def _sorted_keys(d: dict) -> list:
         return sorted(d, key=repr)
 
 
+def _flat_sequence(x: Any) -> bool:
+    """A plain list or tuple whose items are all leaves (the common case, handled without a walk)."""
+    return (type(x) is list or type(x) is tuple) and not any(isinstance(c, (list, tuple, dict)) for c in x)
+
+
 def flatten(structure: Any) -> list:
     """The leaves of ``structure`` in a deterministic order."""
+    if _flat_sequence(structure):
+        return list(structure)
     out: list = []
     stack = [structure]
     # Iterative depth-first walk keeping left-to-right order.
@@ -50,9 +58,15 @@ def flatten(structure: Any) -> list:
 
 def _rebuild(template: Any, children: list) -> Any:
     if isinstance(template, dict):
-        keys = _sorted_keys(template)
-        built = dict(zip(keys, children))
-        return type(template)((k, built[k]) for k in template) if type(template) is not dict else {k: built[k] for k in template}
+        built = dict(zip(_sorted_keys(template), children))
+        kind = type(template)
+        if kind is dict:
+            return {k: built[k] for k in template}
+        # As tf.nest: an empty instance of the same type (a defaultdict keeps its factory), filled key by key.
+        out = kind(template.default_factory) if isinstance(template, collections.defaultdict) else kind()
+        for k in template:
+            out[k] = built[k]
+        return out
     if _is_namedtuple(template):
         return type(template)(*children)
     if isinstance(template, tuple):
@@ -62,6 +76,12 @@ def _rebuild(template: Any, children: list) -> Any:
 
 def pack_sequence_as(structure: Any, flat: list) -> Any:
     """Inverse of :func:`flatten`: put ``flat`` leaves back into ``structure``'s shape."""
+    if _flat_sequence(structure):
+        if len(flat) > len(structure):
+            raise ValueError(f"pack_sequence_as: {len(flat) - len(structure)} more leaves than the structure holds")
+        if len(flat) < len(structure):
+            raise ValueError(f"pack_sequence_as: the structure holds {len(structure)} leaves, got only {len(flat)}")
+        return list(flat) if type(structure) is list else tuple(flat)
     it = iter(flat)
 
     def build(x: Any) -> Any:

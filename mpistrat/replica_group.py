@@ -1,14 +1,25 @@
 """Running a function on a rank's local replicas, and meeting points between them.
 
 A ``ReplicaGroup`` runs replica 0 in the calling thread and owns one
-persistent thread for each other local replica and a ``Rendezvous`` where replicas meet for collectives and
-``merge_call``. A replica that raises aborts the group: every replica waiting
-at a meeting point raises too, and ``run`` re-raises the original exception,
-so a failure never leaves threads waiting for ever.
+persistent thread for each other local replica and a ``Rendezvous`` where
+replicas meet for collectives and ``merge_call``. The meeting's function (a
+merge function, a reduction) always runs in replica 0's thread, the thread
+that called ``strategy.run``, as tf.distribute runs merge functions in the
+main thread: its device is current there, and MPI is only ever called from
+that thread.
+
+A replica that raises aborts the group: every replica waiting at a meeting
+point raises too, and ``run`` re-raises the original exception, so a failure
+never leaves threads waiting for ever. An exception that reaches the calling
+thread while it waits for the other replicas (Ctrl-C) aborts the step too;
+if the replicas do not wind down at once, the group starts fresh threads and
+a fresh meeting point for the next step, so nothing of the interrupted step
+leaks into it.
 
 A group runs one step at a time. A ``strategy.run`` issued while one of the
-group's replicas is inside a step (from a ``merge_call``'s merge function)
-needs a group of its own: :meth:`ReplicaGroup.in_step` tells the strategy so.
+strategy's replicas is inside a step (from a ``merge_call``'s merge function)
+needs a group of its own: :meth:`ReplicaGroup.in_step` tells the strategy so,
+for every group sharing the strategy's ``step_marker``.
 """
 
 from __future__ import annotations
@@ -20,6 +31,9 @@ from typing import Any, Callable, Sequence
 from mpistrat import context
 
 __all__ = ["ReplicaGroup", "Rendezvous", "ReplicaAbortedError", "CollectiveOrderError"]
+
+# How long an interrupted step waits for the other replicas before the group is rebuilt.
+INTERRUPT_GRACE_SECONDS = 1.0
 
 
 class ReplicaAbortedError(RuntimeError):
@@ -33,9 +47,9 @@ class CollectiveOrderError(RuntimeError):
 class Rendezvous:
     """A reusable meeting point for ``n`` replica threads.
 
-    Each replica calls :meth:`meet` with its payload; the last to arrive runs
-    ``fn(payloads)`` (a list in replica order) and every replica gets its
-    entry of the returned list.
+    Each replica calls :meth:`meet` with its payload; once all are there,
+    replica 0 runs its ``fn(payloads)`` (a list in replica order) and every
+    replica gets its entry of the returned list.
     """
 
     def __init__(self, n: int):
@@ -49,7 +63,7 @@ class Rendezvous:
         self._arrived = 0
         self._finished = 0
         self._generation = 0
-        self._outcome: tuple[Any, BaseException | None, int] = (None, None, -1)
+        self._outcome: tuple[Any, BaseException | None] = (None, None)
         self._abort: BaseException | None = None
 
     def start_step(self) -> None:
@@ -72,7 +86,7 @@ class Rendezvous:
             self._cond.notify_all()
 
     def _check_stranded(self) -> None:
-        if self._arrived and self._arrived + self._finished == self.n and self._abort is None:
+        if 0 < self._arrived < self.n and self._arrived + self._finished == self.n and self._abort is None:
             waiting = [i for i, k in enumerate(self._kinds) if k is not None]
             kind = next(k for k in self._kinds if k is not None)
             self._abort = CollectiveOrderError(
@@ -81,8 +95,38 @@ class Rendezvous:
                 "(all_reduce, all_gather, merge_call) in the same order."
             )
 
+    def _stopped_waiting(self, local_id: int, kind: str) -> BaseException:
+        if isinstance(self._abort, CollectiveOrderError):
+            return self._abort
+        return ReplicaAbortedError(
+            f"Replica {local_id} stopped waiting in {kind}: another replica raised "
+            f"{type(self._abort).__name__}: {self._abort}")
+
+    def _run_meeting(self, fn: Callable[[list], Sequence[Any]]) -> None:
+        """Replica 0, with everyone here: run ``fn`` and publish the outcome (lock held)."""
+        kinds, payloads = self._kinds, self._payloads
+        self._payloads = [None] * self.n
+        self._kinds = [None] * self.n
+        self._arrived = 0
+        results: Any = None
+        error: BaseException | None = None
+        if any(k != kinds[0] for k in kinds):
+            error = CollectiveOrderError(
+                "Replicas called different collectives at the same point: "
+                + ", ".join(f"replica {i}: {k}" for i, k in enumerate(kinds))
+                + ". Every replica must call the same collectives in the same order."
+            )
+        else:
+            try:
+                results = fn(payloads)
+            except BaseException as exc:  # re-raised in every replica
+                error = exc
+        self._outcome = (results, error)
+        self._generation += 1
+        self._cond.notify_all()
+
     def meet(self, local_id: int, kind: str, payload: Any, fn: Callable[[list], Sequence[Any]]) -> Any:
-        """Deposit ``payload``; when all replicas are here, ``fn`` runs once; return our result."""
+        """Deposit ``payload``; when all replicas are here replica 0 runs its ``fn``; return our result."""
         with self._cond:
             if self._abort is not None:
                 raise ReplicaAbortedError("Another replica failed in this step") from self._abort
@@ -90,46 +134,50 @@ class Rendezvous:
             self._payloads[local_id] = payload
             self._kinds[local_id] = kind
             self._arrived += 1
-            if self._arrived == self.n:
-                kinds = list(self._kinds)
-                payloads = list(self._payloads)
-                self._payloads = [None] * self.n
-                self._kinds = [None] * self.n
-                self._arrived = 0
-                error: BaseException | None = None
-                results: Any = None
-                if len(set(kinds)) != 1:
-                    error = CollectiveOrderError(
-                        "Replicas called different collectives at the same point: "
-                        + ", ".join(f"replica {i}: {k}" for i, k in enumerate(kinds))
-                        + ". Every replica must call the same collectives in the same order."
-                    )
-                else:
-                    try:
-                        results = fn(payloads)
-                    except BaseException as exc:  # re-raised in every replica below
-                        error = exc
-                self._outcome = (results, error, local_id)
-                self._generation += 1
-                self._cond.notify_all()
+            self._check_stranded()
+            if local_id == 0:
+                while self._arrived < self.n and self._abort is None:
+                    self._cond.wait()
+                if self._arrived < self.n:
+                    raise self._stopped_waiting(local_id, kind) from self._abort
+                self._run_meeting(fn)
             else:
-                self._check_stranded()
+                if self._arrived == self.n:
+                    self._cond.notify_all()  # replica 0 may be waiting for us
                 while self._generation == generation and self._abort is None:
                     self._cond.wait()
                 if self._generation == generation:
-                    if isinstance(self._abort, CollectiveOrderError):
-                        raise self._abort
-                    raise ReplicaAbortedError(
-                        f"Replica {local_id} stopped waiting in {kind}: another replica raised "
-                        f"{type(self._abort).__name__}: {self._abort}") from self._abort
-            results, error, runner = self._outcome
+                    raise self._stopped_waiting(local_id, kind) from self._abort
+            results, error = self._outcome
         if error is not None:
-            if runner == local_id:
+            if local_id == 0:
                 raise error
-            raise ReplicaAbortedError(
-                f"{kind} failed in replica {runner}: {type(error).__name__}: {error}"
-            ) from error
+            raise ReplicaAbortedError(f"{kind} failed in replica 0: {type(error).__name__}: {error}") from error
         return results[local_id]
+
+
+class _Step:
+    """One step's outcome: per-replica results and errors, and the count of replicas still running."""
+
+    def __init__(self, num_local: int):
+        self.results: list[Any] = [None] * num_local
+        self.errors: list[BaseException | None] = [None] * num_local
+        self.pending = 0
+        self.lock = threading.Lock()
+        self.all_done = threading.Event()
+
+    def reset(self, pending: int) -> None:
+        n = len(self.results)
+        self.results = [None] * n
+        self.errors = [None] * n
+        self.pending = pending
+        self.all_done.clear()
+
+    def worker_done(self) -> None:
+        with self.lock:
+            self.pending -= 1
+            if self.pending == 0:
+                self.all_done.set()
 
 
 class _ReplicaThread(threading.Thread):
@@ -144,25 +192,22 @@ class _ReplicaThread(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 return
+            step = job[0]
             self.group._run_one(self.local_id, *job)
-            del job
-            self.group._worker_done()  # do not keep the last step's function and arguments alive
+            del job  # do not keep the last step's function and arguments alive
+            step.worker_done()
 
 
 class ReplicaGroup:
     """Runs a function once per local replica, each with its replica context and device."""
 
-    def __init__(self, num_local: int):
+    def __init__(self, num_local: int, step_marker: threading.local | None = None):
         self.num_local = num_local
         self.rendezvous = Rendezvous(num_local)
         self._threads: list[_ReplicaThread] = []
-        self._pending = 0
-        self._lock_done = threading.Lock()
-        self._all_done = threading.Event()
-        self._results: list[Any] = [None] * num_local
-        self._errors: list[BaseException | None] = [None] * num_local
+        self._step = _Step(num_local)
         self._lock = threading.Lock()
-        self._in_step = threading.local()
+        self._marker = step_marker if step_marker is not None else threading.local()
 
     def _ensure_threads(self) -> None:
         if not self._threads:
@@ -171,29 +216,40 @@ class ReplicaGroup:
                 t.start()
 
     def in_step(self) -> bool:
-        """Whether the calling thread is running one of this group's replicas right now."""
-        return getattr(self._in_step, "active", False)
+        """Whether the calling thread is running a replica of a group sharing this group's marker."""
+        return getattr(self._marker, "depth", 0) > 0
 
-    def _run_one(self, local_id: int, fn: Callable, frames: list, device_scope: Any, call_args: tuple) -> None:
+    def _run_one(self, local_id: int, step: _Step, fn: Callable, frames: list, device_scope: Any,
+                 call_args: tuple) -> None:
         saved = context.thread_stack()
         context.set_thread_stack(saved + list(frames))
-        self._in_step.active = True
+        marker = self._marker
+        marker.depth = getattr(marker, "depth", 0) + 1
         try:
             with device_scope:
-                self._results[local_id] = fn(*call_args[0], **call_args[1])
+                step.results[local_id] = fn(*call_args[0], **call_args[1])
             self.rendezvous.replica_finished()
         except BaseException as exc:
-            self._errors[local_id] = exc
+            step.errors[local_id] = exc
             self.rendezvous.abort(exc)
         finally:
-            self._in_step.active = False
+            marker.depth -= 1
             context.set_thread_stack(saved)
 
-    def _worker_done(self) -> None:
-        with self._lock_done:
-            self._pending -= 1
-            if self._pending == 0:
-                self._all_done.set()
+    def _wait_for_replicas(self, step: _Step) -> None:
+        try:
+            step.all_done.wait()
+        except BaseException as exc:  # e.g. KeyboardInterrupt in the calling thread
+            self.rendezvous.abort(exc)
+            if not step.all_done.wait(INTERRUPT_GRACE_SECONDS):
+                self._rebuild()
+            raise
+
+    def _rebuild(self) -> None:
+        """Leave the interrupted step to its threads; the next step gets fresh threads and state."""
+        self.close()
+        self.rendezvous = Rendezvous(self.num_local)
+        self._step = _Step(self.num_local)
 
     def run(
         self,
@@ -206,25 +262,25 @@ class ReplicaGroup:
 
         Replica 0 runs in the calling thread, the others in their persistent
         threads. ``frames_per_replica[i]`` is the context stack replica i runs
-        with, ``device_scopes[i]`` a context manager making its device current,
-        and ``args_per_replica[i]`` its ``(args, kwargs)``.
+        with (its ReplicaContext must meet at ``self.rendezvous``),
+        ``device_scopes[i]`` a context manager making its device current, and
+        ``args_per_replica[i]`` its ``(args, kwargs)``.
         """
         with self._lock:
+            step = self._step
             self.rendezvous.start_step()
-            self._results = [None] * self.num_local
-            self._errors = [None] * self.num_local
+            step.reset(self.num_local - 1)
             if self.num_local > 1:
                 self._ensure_threads()
-                self._pending = self.num_local - 1
-                self._all_done.clear()
                 for i in range(1, self.num_local):
-                    self._threads[i - 1].jobs.put((fn, frames_per_replica[i], device_scopes[i], args_per_replica[i]))
-            self._run_one(0, fn, frames_per_replica[0], device_scopes[0], args_per_replica[0])
+                    self._threads[i - 1].jobs.put(
+                        (step, fn, frames_per_replica[i], device_scopes[i], args_per_replica[i]))
+            self._run_one(0, step, fn, frames_per_replica[0], device_scopes[0], args_per_replica[0])
             if self.num_local > 1:
-                self._all_done.wait()
-            errors = [(i, e) for i, e in enumerate(self._errors) if e is not None]
-            results, self._results = self._results, [None] * self.num_local
-            self._errors = [None] * self.num_local
+                self._wait_for_replicas(step)
+            errors = [(i, e) for i, e in enumerate(step.errors) if e is not None]
+            results = step.results
+            step.reset(0)
             if errors:
                 # Prefer the error that started it over the consequences in other replicas.
                 primary = [(i, e) for i, e in errors if not isinstance(e, ReplicaAbortedError)]
@@ -233,7 +289,7 @@ class ReplicaGroup:
             return results
 
     def close(self) -> None:
-        """Stop the replica threads."""
+        """Stop the replica threads (each after its current job)."""
         for t in self._threads:
             t.jobs.put(None)
         self._threads = []

@@ -11,7 +11,10 @@ cross-replica context. A distributed variable used with no strategy in scope
 behaves as in its strategy's cross-replica context (TF enters the strategy).
 
 Assignments replace a copy's array rather than writing into it, so an array
-returned by ``value()`` is a snapshot that later updates do not change.
+returned by ``value()`` is a snapshot that later updates do not change. NumPy
+values are read-only (as a ``tf.Tensor`` is immutable): write into
+``numpy()``, which is a copy. Updates of one variable from several replica
+threads are atomic.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import abc
 import enum
 import itertools
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -86,6 +90,13 @@ class _Operators:
     __mod__ = _binary(_op.mod)
     __pow__ = _binary(_op.pow)
     __rpow__ = _binary(_op.pow, True)
+    __rmod__ = _binary(_op.mod, True)
+    __and__ = _binary(_op.and_)
+    __rand__ = _binary(_op.and_, True)
+    __or__ = _binary(_op.or_)
+    __ror__ = _binary(_op.or_, True)
+    __xor__ = _binary(_op.xor)
+    __rxor__ = _binary(_op.xor, True)
     __matmul__ = _binary(_op.matmul)
     __rmatmul__ = _binary(_op.matmul, True)
     __lt__ = _binary(_op.lt)
@@ -100,6 +111,9 @@ class _Operators:
     def __abs__(self) -> Any:
         return abs(self.value())
 
+    def __invert__(self) -> Any:
+        return ~self.value()
+
     def __getitem__(self, index: Any) -> Any:
         return self.value()[index]
 
@@ -113,7 +127,12 @@ class _Operators:
 
 
 class BaseVariable(_Operators):
-    """What every variable offers: reading, assigning, NumPy conversion."""
+    """What every variable offers: reading, assigning, NumPy conversion.
+
+    Arithmetic, comparison and bitwise operators apply to the current value.
+    ``==`` and ``!=`` compare identity, so variables stay hashable (TF 2 makes
+    them elementwise and variables unhashable): compare ``v.numpy()`` instead.
+    """
 
     _is_variable = True
     __array_priority__ = 100
@@ -124,8 +143,10 @@ class BaseVariable(_Operators):
         return self.value()
 
     def numpy(self) -> np.ndarray:
-        """The current value as a NumPy array on the host."""
-        return np.asarray(dev.to_device(self.value(), "/cpu:0"))
+        """The current value as a new NumPy array on the host (writing into it leaves the variable alone)."""
+        value = self.value()
+        host = dev.to_device(value, "/cpu:0")
+        return np.array(host, copy=True) if host is value or isinstance(value, np.ndarray) else np.asarray(host)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.numpy()
@@ -170,6 +191,13 @@ def _default_dtype(initial: Any, dtype: Any) -> np.dtype | None:
     if probe.dtype == np.int64 and not isinstance(initial, np.integer):
         return np.dtype(np.int32)
     return None
+
+
+def _frozen(array: Any) -> Any:
+    """``array`` made read-only when it is a NumPy array the variable owns (CuPy has no such flag)."""
+    if isinstance(array, np.ndarray):
+        array.flags.writeable = False
+    return array
 
 
 def _initial_array(initial_value: Any, dtype: Any, device: str) -> Any:
@@ -235,7 +263,8 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         strategy = context.get_strategy()
         device = _device or strategy.extended._local_devices[0]
         self._device = dev.canonicalize(device)
-        self._array = _array if _array is not None else _initial_array(initial_value, dtype, self._device)
+        self._array = _frozen(_array if _array is not None else _initial_array(initial_value, dtype, self._device))
+        self._update_lock = threading.Lock()
         self._name = name if name is not None else f"Variable_{next(_names)}"
         self._trainable = trainable
         self._synchronization = sync
@@ -276,16 +305,17 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         return self._aggregation
 
     def value(self) -> Any:
-        """The current array (a snapshot: later assignments replace, not modify, it)."""
+        """The current array: a snapshot (later assignments replace, not modify, it), read-only for NumPy."""
         return self._array
 
     def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
+        value = _operand(value)  # another variable: its value here (its copy for this replica or update)
         if isinstance(value, DistributedValues):
             raise ValueError(
                 f"Cannot assign a {type(value).__name__} to variable {self._name}, which holds a single value; "
                 "reduce it first (strategy.reduce) or update it per replica with strategy.extended.update.")
-        new = dev.to_device(_operand(value), self._device)
-        with dev.device_scope(self._device):
+        new = dev.to_device(value, self._device)
+        with dev.device_scope(self._device), self._update_lock:
             xp = dev.array_module(self._device)
             if method == "assign":
                 new = xp.array(new, dtype=self.dtype, copy=True)
@@ -299,7 +329,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
             if new.shape != self._array.shape:
                 raise ValueError(f"Update of variable {self._name} would change its shape from "
                                  f"{self._array.shape} to {new.shape}")
-            self._array = new
+            self._array = _frozen(new)
         return self
 
 
@@ -351,6 +381,10 @@ class DistributedVariable(BaseVariable, DistributedValues):
 
     def _devices(self) -> tuple[str, ...]:
         return tuple(c.device for c in self._values)
+
+    def __len__(self) -> int:
+        raise TypeError(f"len() of a variable is not defined ({type(self).__name__} {self._name!r}); "
+                        "use .shape[0], or len(strategy.experimental_local_results(v)) for its copies")
 
     def _local_component(self) -> Variable | None:
         """The copy that reads and writes use here: this replica's, the one being updated, or None (whole)."""
@@ -411,6 +445,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     "or assign inside strategy.run with an aggregation.")
             ext.update(self, lambda comp, v: comp._assign(method, v), args=(value,))
             return self
+        value = _operand(value)  # another variable: this replica's copy of it
         if isinstance(value, DistributedValues):
             raise ValueError(
                 f"Cannot update MirroredVariable {self._name} in replica context with a {type(value).__name__}: "
@@ -422,10 +457,6 @@ class MirroredVariable(DistributedVariable, Mirrored):
         var = self
 
         def merge_fn(strategy: Any, v: Any) -> None:
-            if var._aggregation is VariableAggregation.MEAN and var.dtype.kind not in "fc" and isinstance(v, PerReplica):
-                raise ValueError("Cannot update non-float variables with VariableAggregation.MEAN aggregation in "
-                                 "replica context. Either change the variable dtype to float or update it in "
-                                 "cross-replica context.")
             if var._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
                 reduced = var._first_replica_value(v)
             else:
@@ -492,6 +523,9 @@ def create_for_strategy(strategy: Any, kwargs: dict) -> DistributedVariable:
     ext = strategy.extended
     devices = ext._local_devices
     initial = _initial_array(kwargs["initial_value"], kwargs["dtype"], devices[0])
+    if agg is VariableAggregation.MEAN and initial.dtype.kind not in "fc":
+        raise ValueError(f"Creating a distributed variable ({name}) with aggregation=MEAN and a non-floating dtype "
+                         f"({initial.dtype}) is not supported, please use a different aggregation or dtype")
     host = np.asarray(dev.to_device(initial, "/cpu:0"))
     if kwargs["shape"] is not None and tuple(kwargs["shape"]) != host.shape:
         raise ValueError(f"Variable {name}: initial value has shape {host.shape}, not the given shape "

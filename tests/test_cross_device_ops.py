@@ -29,10 +29,11 @@ def test_batch_reduce_keeps_order_and_dtypes():
     assert ops.batch_reduce("sum", []) == []
 
 
-def test_mean_of_integers_keeps_dtype():
+def test_mean_of_integers_is_a_true_quotient():
+    # As TF (cross_device_utils.divide_by_n_tensors_or_indexed_slices): float64, not truncated.
     ops = ms.ReductionToOneDevice()
     r = ops.reduce("mean", ms.PerReplica([np.array([1, 2]), np.array([2, 5])]), "/cpu:0")
-    assert r.dtype == np.array([1]).dtype and r.tolist() == [1, 3]
+    assert r.dtype == np.float64 and r.tolist() == [1.5, 3.5]
 
 
 def test_accumulation_fn_and_reduce_device():

@@ -87,10 +87,13 @@ def test_extended_update_and_created_in_scope(strategy):
     assert strategy.extended.variable_created_in_scope(v)
     w = ms.Variable(0.0)  # outside any scope: the default strategy's
     assert not strategy.extended.variable_created_in_scope(w)
-    with strategy.extended.colocate_vars_with(v):
-        with strategy.scope():
+    with strategy.scope():
+        with strategy.extended.colocate_vars_with(v):
             c = ms.Variable(1.0)
     assert c.device == v.device
+    with pytest.raises(RuntimeError, match="Need to be inside"):  # TF: only inside the strategy's scope
+        with strategy.extended.colocate_vars_with(v):
+            pass
 
 
 def test_variable_api(strategy):

@@ -1,23 +1,40 @@
-"""tf.distribute semantics that a review found missing (each test failed before its fix).
+"""tf.distribute semantics that two reviews found missing (each test failed before its fix).
 
-Cases that could deadlock run the body in a daemon thread with a join
-timeout, so a deadlock fails the test instead of hanging the suite.
+The second half was checked against TensorFlow 2.21 run side by side. Cases
+that could deadlock run the body in a daemon thread (or a subprocess) with a
+timeout, so a deadlock fails the test instead of hanging the suite. GPU tests
+need CuPy with two devices and skip elsewhere.
 """
 
+import collections
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
 import mpistrat as ms
+from mpistrat.cross_device_ops import ReductionToOneDevice, select_cross_device_ops
 
 SYNC = ms.VariableSynchronization
 AGG = ms.VariableAggregation
 
 
-def make(n=2):
-    return ms.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+def make(n=2, **kw):
+    return ms.MirroredStrategy([f"/cpu:{i}" for i in range(n)], **kw)
+
+
+def rid():
+    return ms.get_replica_context().replica_id_in_sync_group
+
+
+def copies(v):
+    return [np.asarray(c.numpy()).tolist() for c in v.values]
 
 
 def finishes(body, timeout=5.0):
@@ -266,3 +283,387 @@ def test_merge_call_with_different_argument_structures_raises():
 
     with pytest.raises(ValueError, match="merge_call arguments with different structures"):
         s.run(step)
+
+
+# ---------------------------------------------------------------------------------------------
+# A KeyboardInterrupt (Ctrl-C in a notebook) during strategy.run leaves the replica group
+#    half-way through a step: the next run returns the interrupted step's replica-1 result and
+#    the one after raises a bogus CollectiveOrderError.
+def test_run_after_keyboard_interrupt_is_clean(tmp_path):
+    script = tmp_path / "interrupt.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading, time
+        import numpy as np, mpistrat as ms
+        s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        rid = lambda: ms.get_replica_context().replica_id_in_sync_group
+        def slow():
+            if rid() == 1:
+                time.sleep(1.0)
+            return np.float64(rid())
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            s.run(slow)
+        except KeyboardInterrupt:
+            pass
+        def step2():
+            if rid() == 1:
+                time.sleep(0.3)
+            return np.float64(rid() * 10)
+        print("second", [float(x) for x in s.experimental_local_results(s.run(step2))])
+        out = s.run(lambda: ms.get_replica_context().all_reduce("sum", np.float64(rid() + 1)))
+        print("third", [float(x) for x in s.experimental_local_results(out)])
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "second [0.0, 10.0]" in proc.stdout, proc.stdout + proc.stderr
+    assert "third [3.0, 3.0]" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Reads and reductions hand out the variable's own storage: writing into the result changes
+#    the variable (and de-synchronises a MirroredVariable's copies). TF's numpy() copies
+#    (tensorflow/python/framework/ops.py: EagerTensor.numpy -> maybe_arr.copy()).
+def test_numpy_of_mirrored_variable_is_a_copy():
+    s = make(2)
+    with s.scope():
+        w = ms.Variable(np.zeros(3, np.float32))
+    a = w.numpy()
+    a[0] = 7.0
+    np.asarray(w)[1] = 5.0
+    assert copies(w) == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_reduce_mean_of_mirrored_variable_does_not_alias_copy0():
+    s = make(2)
+    with s.scope():
+        v = ms.Variable(np.ones(2, np.float32))
+    m = s.reduce("mean", v, axis=None)
+    m += 1  # a NumPy user's ordinary in-place update of a result
+    assert copies(v) == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_one_device_reduce_and_gather_of_variable_do_not_alias_it():
+    s = ms.OneDeviceStrategy("/cpu:0")
+    with s.scope():
+        w = ms.Variable(np.ones(2, np.float32))
+    r = s.reduce("sum", w, axis=None)
+    r += 5
+    g = s.gather(w, axis=0)
+    g += 5
+    assert w.numpy().tolist() == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# A distributed variable used as the value of another variable's update, or as the input of
+#    all_reduce/all_gather inside a replica, is rejected as "a DistributedValues". TF keeps
+#    distributed variables whole in select_replica (distribute_utils.select_replica) and reads
+#    the copy on the current replica/update device, so all of these work in TF 2.21.
+def test_cross_replica_assign_from_another_mirrored_variable():
+    s = make(2)
+    with s.scope():
+        t = ms.Variable(0.0)
+        src = ms.Variable(5.0)
+    t.assign(src)
+    assert copies(t) == [5.0, 5.0]
+
+
+@pytest.mark.parametrize("aggregation", [AGG.NONE, AGG.MEAN, AGG.ONLY_FIRST_REPLICA])
+def test_replica_assign_from_another_mirrored_variable(aggregation):
+    s = make(2)
+    with s.scope():
+        t = ms.Variable(0.0, aggregation=aggregation)
+        src = ms.Variable(6.0)
+    s.run(lambda: t.assign(src))  # target-network / EMA style update
+    assert copies(t) == [6.0, 6.0]
+
+
+def test_all_reduce_of_sync_on_read_variable_in_replica_context():
+    s = make(2)
+    with s.scope():
+        acc = ms.Variable(0.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM)
+
+    def step():
+        acc.assign_add(np.float32(rid() + 1))
+        return ms.get_replica_context().all_reduce("sum", acc)  # TF: reads this replica's copy
+
+    out = s.run(step)
+    assert [float(x) for x in s.experimental_local_results(out)] == [3.0, 3.0]
+
+
+def test_all_reduce_of_mirrored_variable_in_replica_context():
+    s = make(2)
+    with s.scope():
+        v = ms.Variable(3.0)
+    out = s.run(lambda: ms.get_replica_context().all_reduce("sum", v))
+    assert [float(x) for x in s.experimental_local_results(out)] == [6.0, 6.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# A plain variable updated from several replica threads loses updates (read-modify-write
+#    without a lock). TF's AssignAddVariableOp holds the variable's mutex: TF 2.21 gives 1200/1200.
+def test_plain_variable_assign_add_from_replica_threads_is_atomic():
+    s = make(4)
+    v = ms.Variable(np.zeros((), np.float64))  # created outside any scope
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def step():
+            for _ in range(2000):
+                v.assign_add(1.0)
+
+        s.run(step)
+    finally:
+        sys.setswitchinterval(old)
+    assert float(v.numpy()) == 4 * 2000
+
+
+# ---------------------------------------------------------------------------------------------
+# MEAN of integer values truncates to the integer dtype. TF divides with `/` (true division:
+#    cross_device_ops._simple_reduce -> cross_device_utils.divide_by_n_tensors_or_indexed_slices)
+#    and returns float64: 0.5 and 1.5 below (TF 2.21). mpistrat's own reduce(axis=0) already does.
+def test_all_reduce_mean_of_integers_is_not_truncated():
+    s = make(2)
+    out = s.run(lambda: ms.get_replica_context().all_reduce("mean", np.int32(rid() + 1)))
+    assert [float(x) for x in s.experimental_local_results(out)] == [1.5, 1.5]
+
+
+def test_reduce_mean_of_integers_axis_none_is_not_truncated():
+    s = make(2)
+    pr = s.experimental_distribute_values_from_function(lambda ctx: np.int32(ctx.replica_id_in_sync_group))
+    assert float(s.reduce("mean", pr, axis=None)) == 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# A distributed variable with aggregation=MEAN and an integer dtype is accepted at creation;
+#    TF raises there (values.py:510, DistributedVariable.__init__: "creating
+#    distributed tf.Variable with aggregation=MEAN and a non-floating dtype is not supported").
+def test_creating_integer_mean_variable_raises():
+    s = make(2)
+    with s.scope():
+        with pytest.raises(ValueError, match="aggregation=MEAN and a non-floating dtype"):
+            ms.Variable(np.int32(1), aggregation=AGG.MEAN)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rendezvous function (merge_fn, and all_reduce's reduction) runs in whichever replica
+#    thread arrives last. TF runs merge_fn in the main thread (mirrored_run.py,
+#    _call_for_each_replica: threads[0].merge_fn(...)). On GPUs the last arriver's CuPy device
+#    is current, so merge_fn's arrays and the MEAN division land on a timing-dependent GPU.
+@pytest.mark.parametrize("late", [0, 1])
+def test_merge_fn_runs_in_the_callers_thread_whatever_the_arrival_order(late):
+    s = make(2)
+    caller = threading.current_thread()
+
+    def step():
+        if rid() == late:
+            time.sleep(0.2)
+        return ms.get_replica_context().merge_call(lambda strategy: threading.current_thread())
+
+    assert s.run(step) is caller
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_nccl_all_reduce_mean_when_replica_zero_arrives_first():
+    import cupy
+
+    s = ms.MirroredStrategy(["/gpu:0", "/gpu:1"])
+
+    def step():
+        if rid() == 1:
+            time.sleep(0.2)  # replica 1 arrives last: the reduction runs with GPU 1 current
+        x = cupy.full((1000,), float(rid() + 1), dtype=cupy.float32)
+        y = ms.get_replica_context().all_reduce("mean", x)
+        return int(y.device.id), float(y[0])
+
+    assert s.experimental_local_results(s.run(step)) == ((0, 1.5), (1, 1.5))
+
+
+# ---------------------------------------------------------------------------------------------
+# NCCL is chosen whenever `from cupy.cuda import nccl` imports, but that import succeeds with
+#    any CuPy; whether NCCL is there is `nccl.available` (cupy/cuda/nccl.py). Checked with a real
+#    CuPy 14.2 wheel without NCCL: select_cross_device_ops(["/gpu:0", "/gpu:1"]) -> NcclAllReduce,
+#    and its first reduction would fail on nccl.NcclCommunicator (absent). The module below
+#    stands in for that CuPy (CuPy is not installed in this venv).
+def test_nccl_not_selected_when_cupy_reports_it_unavailable(monkeypatch):
+    if "cupy" in sys.modules or _has_real_cupy():
+        pytest.skip("a real CuPy is installed; this stands in for one without NCCL")
+    cupy = types.ModuleType("cupy")
+    cuda = types.ModuleType("cupy.cuda")
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.available = False  # what cupy.cuda.nccl sets when libnccl cannot be loaded
+    cuda.nccl = nccl
+    cupy.cuda = cuda
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    assert not isinstance(select_cross_device_ops(["/gpu:0", "/gpu:1"]), ms.NcclAllReduce)
+
+
+def _has_real_cupy():
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# NcclAllReduce allocates its output with cupy.empty_like (order 'K': F-ordered for a
+#    transposed input) but NCCL writes the C-ordered bytes of ascontiguousarray(input) into it.
+@pytest.mark.gpu(min_gpus=2)
+def test_nccl_all_reduce_of_a_transposed_array():
+    import cupy
+
+    s = ms.MirroredStrategy(["/gpu:0", "/gpu:1"])
+
+    def step():
+        x = cupy.arange(6, dtype=cupy.float32).reshape(2, 3).T * (rid() + 1)  # F-contiguous
+        return cupy.asnumpy(ms.get_replica_context().all_reduce("sum", x))
+
+    expect = (np.arange(6, dtype=np.float32).reshape(2, 3).T * 3).tolist()
+    assert [r.tolist() for r in s.experimental_local_results(s.run(step))] == [expect, expect]
+
+
+# ---------------------------------------------------------------------------------------------
+# CrossDeviceOps.batch_reduce (strategy.reduce, extended.reduce_to, variable aggregation)
+#     hands the backend the devices the *values* sit on (device_of: CPU:0 for every NumPy value)
+#     instead of the strategy's replica devices. With NcclAllReduce any NumPy/Python value a
+#     replica returns (a loss) makes strategy.reduce raise "NcclAllReduce needs every device to
+#     be a GPU"; all_reduce (batch_all_reduce) passes the right devices.
+class _RecordingOps(ReductionToOneDevice):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _local_reduce(self, op, values, devices):
+        self.seen.append(tuple(devices))
+        return super()._local_reduce(op, values, devices)
+
+
+def test_strategy_reduce_gives_the_backend_the_replica_devices():
+    ops = _RecordingOps()
+    s = make(2, cross_device_ops=ops)
+    s.reduce("sum", s.run(lambda: np.float64(rid())), axis=None)
+    assert ops.seen == [tuple(s.extended.worker_devices)]
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_strategy_reduce_of_numpy_losses_with_nccl():
+    s = ms.MirroredStrategy(["/gpu:0", "/gpu:1"])
+    assert float(s.reduce("sum", s.run(lambda: np.float32(rid() + 1)), axis=None)) == 3.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategy.gather of a non-distributed value concatenates num_replicas copies of it; TF
+#     returns the value as it is (mirrored_strategy.py, _gather_to_implementation:
+#     "if not isinstance(value, values.DistributedValues): return value").
+def test_gather_of_a_plain_value_returns_it():
+    s = make(2)
+    assert s.gather(np.array([1.0, 2.0]), axis=0).tolist() == [1.0, 2.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# nest rebuilds dict subclasses with type(d)(pairs): a defaultdict returned by the replicas
+#     raises TypeError, a Counter is silently garbled. tf.nest keeps defaultdict's
+#     default_factory (tensorflow/python/util/nest_util.py, sequence_like).
+def test_run_returning_a_defaultdict():
+    s = make(2)
+    out = s.run(lambda: collections.defaultdict(list, a=np.float64(rid())))
+    assert isinstance(out, collections.defaultdict) and out.default_factory is list
+    assert [float(x) for x in s.experimental_local_results(out["a"])] == [0.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Variable operators: TF overloads every operator in Tensor.OVERLOADABLE_OPERATORS
+#     (tensorflow/python/framework/tensor.py), incl. __rmod__, __and__/__or__/__xor__ (and
+#     reflected), __invert__, and elementwise __eq__/__ne__. mpistrat lacks these, and
+#     `v == 1.0` is an identity test (False) while `v < 2.0` is elementwise.
+def test_variable_operators_match_tensorflow():
+    v = ms.Variable(3.0)
+    b = ms.Variable(np.array([True, False]))
+    assert float(7 % v) == 1.0
+    assert (~b).tolist() == [False, True]
+    assert (b & np.array([True, True])).tolist() == [True, False]
+    assert (b | False).tolist() == [True, False]
+    # == and != compare identity (variables stay hashable; a documented difference from TF 2)
+    assert (v == v) and (v != b) and len({v, b}) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# len() of a distributed variable is the number of replicas (DistributedValues.__len__);
+#     TF raises TypeError for MirroredVariable and ResourceVariable alike (TF 2.21), as mpistrat
+#     does for a plain Variable.
+def test_len_of_mirrored_variable_is_not_the_replica_count():
+    s = make(2)
+    with s.scope():
+        w = ms.Variable(np.zeros(3, np.float32))
+    with pytest.raises(TypeError):
+        len(w)
+
+
+# ---------------------------------------------------------------------------------------------
+# run -> merge_fn -> run -> merge_fn -> run deadlocks when the inner merge_fn runs in a fresh
+#     thread of the nested group: in_step() is per group, so the innermost run takes the outer
+#     group, whose lock the outermost run holds.
+def test_doubly_nested_run_from_merge_fn_does_not_hang():
+    s = make(2)
+
+    def inner():
+        if rid() == 1:
+            time.sleep(0.1)  # nested replica 1 (a fresh thread) arrives last and runs merge_fn
+        return ms.get_replica_context().merge_call(
+            lambda st: float(st.reduce("sum", st.run(lambda: np.float64(1.0)), axis=None)))
+
+    def outer():
+        return ms.get_replica_context().merge_call(lambda st: st.run(inner))
+
+    done, box = finishes(lambda: s.run(outer))
+    assert done, "run inside a merge_fn of a run inside a merge_fn deadlocked"
+    assert "error" not in box, box.get("error")
+
+
+# ---------------------------------------------------------------------------------------------
+# TF's error texts: strategy.run in a replica function goes through scope(), so TF says
+#     "Method requires being in cross-replica context, use get_replica_context().merge_call()"
+#     (same strategy) or "Mixing different tf.distribute.Strategy objects" (another one);
+#     Strategy.gather checks the strategy in scope too (distribute_lib.py, gather ->
+#     _require_cross_replica_or_default_context_extended).
+def test_run_inside_run_uses_tensorflows_texts():
+    s, s2 = make(2), make(2)
+    with pytest.raises(RuntimeError, match="Method requires being in cross-replica context"):
+        s.run(lambda: s.run(lambda: 1))
+    with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+        s.run(lambda: s2.run(lambda: 1))
+
+
+def test_gather_inside_another_strategys_scope_raises():
+    s, s2 = make(2), make(2)
+    with s.scope():
+        with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+            s2.gather(np.ones(2, np.float32), axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# colocate_vars_with validates nothing. TF: outside the strategy's scope RuntimeError
+#     'Need to be inside "with strategy.scope()"'; a variable of another strategy ValueError
+#     "`colocate_vars_with` must only be passed a variable created in this
+#     tf.distribute.Strategy.scope()" (distribute_utils.validate_colocate_distributed_variable).
+def test_colocate_vars_with_validates_its_variable():
+    s, s2 = make(2), make(2)
+    with s2.scope():
+        other = ms.Variable(1.0)
+    with s.scope():
+        with pytest.raises(ValueError, match="must only be passed a variable created in this"):
+            with s.extended.colocate_vars_with(other):
+                pass
+    with pytest.raises(RuntimeError, match="Need to be inside"):
+        with s.extended.colocate_vars_with(other):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# tf.distribute.HierarchicalCopyAllReduce is a public name (seed 002's module list; the usual
+#     cross_device_ops= choice in MirroredStrategy examples) and is missing.
+def test_hierarchical_copy_all_reduce_exists():
+    assert issubclass(ms.HierarchicalCopyAllReduce, ms.CrossDeviceOps)
+    s = make(2, cross_device_ops=ms.HierarchicalCopyAllReduce())
+    out = s.run(lambda: ms.get_replica_context().all_reduce("sum", np.float64(rid() + 1)))
+    assert [float(x) for x in s.experimental_local_results(out)] == [3.0, 3.0]
