@@ -504,6 +504,8 @@ class StrategyExtended:
                     results.append(fn(component, *select_replica(i, list(args)), **select_replica(i, kwargs)))
             finally:
                 context.pop(frame)
+        if all(r is None for r in results):  # the common case (updates that return nothing): no regrouping
+            return None if group else tuple(results)
         if group:
             return regroup(results, Mirrored)
         return nest.map_structure(lambda leaf: tuple(leaf.values), regroup(results, Mirrored, always_wrap=True))

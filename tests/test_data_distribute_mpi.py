@@ -453,3 +453,38 @@ def test_agreement_thins_out_with_the_prefetch_thread(comm, rank_comm):
     built = counting.agreements
     assert sum(1 for _ in dist) == n_steps
     assert counting.agreements - built < n_steps // 4  # at most one per step, typically one per 16
+
+
+@pytest.mark.mpi(min_size=2)
+def test_agreement_thins_out_with_the_default_buffer_on_cpu(comm, rank_comm):
+    """The default buffer (1) on CPU devices: the prefetch queue deepens, so far fewer agreements than steps,
+    and every step still arrives in order on every rank."""
+    counting = _Counting(rank_comm)
+    info = InputWorkerInfo(comm.size, comm.rank, ("/cpu:0",), comm.size, comm.rank, counting)
+    n_steps = 300
+    ds = with_policy(D.Dataset.range(n_steps * comm.size).batch(comm.size), AutoShardPolicy.DATA)
+    dist = DistributedDataset(ds, info, InputOptions())
+    assert InputOptions().experimental_per_replica_buffer_size == 1
+    built = counting.agreements
+    got = [int(np.asarray(x)[0]) for x in dist]
+    assert got == [s * comm.size + comm.rank for s in range(n_steps)]
+    assert counting.agreements - built < n_steps // 8  # depth 1, 2, 4, ... 64: about a dozen agreements
+
+
+@pytest.mark.mpi(min_size=2)
+def test_deepened_prefetch_queue_is_bounded_in_bytes(comm, rank_comm):
+    """Steps of 8 MiB: the queue deepens to at most AGREEMENT_BYTES of steps, not AGREEMENT_WINDOW steps."""
+    from mpistrat.data.distribute import AGREEMENT_BYTES
+
+    info = InputWorkerInfo(comm.size, comm.rank, ("/cpu:0",), comm.size, comm.rank, rank_comm)
+    step_bytes = 8 << 20
+    rows = step_bytes // 8
+    ds = with_policy(D.Dataset.range(24 * comm.size).map(lambda i: np.full(rows, i, np.float64)).batch(comm.size),
+                     AutoShardPolicy.DATA)
+    it = iter(DistributedDataset(ds, info, InputOptions()))
+    depths = []
+    for step, x in enumerate(it):
+        assert float(np.asarray(x)[0, 0]) == step * comm.size + comm.rank
+        depths.append(it._producer.depth)
+    assert len(depths) == 24
+    assert max(depths) == AGREEMENT_BYTES // step_bytes  # deepened beyond the buffer, then capped by bytes

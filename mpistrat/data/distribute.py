@@ -161,12 +161,15 @@ class DistributedIterator:
     the smallest positive count of steps without talking. Without the prefetch
     thread a rank reads up to ``AGREEMENT_WINDOW`` steps (and ``AGREEMENT_BYTES``)
     ahead on the host and copies each to its devices when handing it out. With it,
-    the count is of the steps waiting in the thread's queue (at most
-    ``experimental_per_replica_buffer_size``, already on the devices), which stay
-    there until handed out; so agreement is amortised over at most that many
-    steps: raise the buffer size, or use 0 (no thread), for input-bound
-    multi-rank pipelines. A single worker has nothing to agree on and reads no
-    further ahead than the buffer. A rank never promises a step it has not read,
+    the count is of the steps waiting in the thread's queue, already placed. On
+    GPUs that queue holds at most ``experimental_per_replica_buffer_size`` steps
+    (device memory), so agreement is amortised over at most that many steps:
+    raise the buffer size, or use 0 (no thread), for input-bound multi-rank GPU
+    pipelines. On CPU devices with several workers the queue starts at the buffer
+    size and doubles at each agreement up to ``AGREEMENT_WINDOW`` steps (and
+    ``AGREEMENT_BYTES``), so the agreements thin out without a larger buffer. A
+    single worker has nothing to agree on and reads no further ahead than the
+    buffer. A rank never promises a step it has not read,
     so iteration ends, and a read error is raised on every rank, at exactly the
     step where it would be with one agreement per step.
     """
@@ -191,13 +194,17 @@ class DistributedIterator:
         buffer = options.experimental_per_replica_buffer_size
         self._producer: _Opt[BackgroundProducer] = None
         self._window = AGREEMENT_WINDOW if self._comm is not None else 1
-        self._target = 1
+        self._buffer = buffer
+        self._depth_cap = buffer  # the most steps the prefetch thread may hold (its queue grows up to it)
         if options.fetch_to_device and buffer > 0:
-            # The thread runs at most `buffer` steps ahead and then blocks. A thread that is always busy
-            # (a deep queue filling) holds the GIL whenever this thread wakes from the user's compute, which
-            # costs up to the interpreter's switch interval (5 ms) per step; so depth = buffer, and agreement
-            # is amortised over at most `buffer` steps (raise it, or use 0 for host read-ahead without a
-            # thread, for input-bound multi-rank pipelines). Device memory: at most buffer + 1 steps ahead.
+            # The thread runs at most its queue's depth ahead and then blocks. It starts at `buffer`: a thread
+            # that is always busy (a deep queue filling) holds the GIL whenever this thread wakes from the
+            # user's compute, which costs up to the interpreter's switch interval (5 ms) per step. With
+            # several workers on CPU devices the depth doubles at each agreement up to AGREEMENT_WINDOW steps
+            # (and AGREEMENT_BYTES, once a step's size is known), so that agreement is amortised as with host
+            # read-ahead. On GPUs it stays at `buffer`: device memory holds at most buffer + 1 steps ahead.
+            if self._comm is not None and not any(placer.gpu.values()):
+                self._depth_cap = max(buffer, AGREEMENT_WINDOW)
             self._window = buffer
 
             def produce() -> Iterator[List[Any]]:
@@ -233,13 +240,16 @@ class DistributedIterator:
     def _fill(self) -> int:
         """Count the steps this rank holds (reading ahead if needed); return the local code."""
         if self._producer is not None:
-            held = self._producer.wait_ready(min(self._target, self._window)) if not self._local_done else 0
+            held = 0 if self._local_done else self._wait_and_deepen()
             if held == 0:
                 self._pull()  # the end or the failure: records it
                 held = len(self._ready)
             elif self._template is None:
                 first = self._producer.peek()
                 self._template = next((template_of(v) for v in first if v is not None), None)
+                step = _nbytes(first)
+                if step and self._depth_cap > self._buffer:  # a raised cap: bounded in bytes too
+                    self._depth_cap = max(self._buffer, min(self._depth_cap, AGREEMENT_BYTES // step))
         else:
             if not self._ready:
                 self._pull()
@@ -250,14 +260,22 @@ class DistributedIterator:
             held = len(self._ready)
         self._held = held
         if held:
-            # Wait for twice as many steps next time (up to the window): agreements thin out
-            # geometrically while the thread gets ahead, without stalling the first steps.
-            if self._comm is not None:
-                self._target = min(2 * self._target, self._window)
             return min(held, self._window)
         if self._pending_error is not None:
             return FAILED
         return EXHAUSTED if self._template is not None else EXHAUSTED_NO_TEMPLATE
+
+    def _wait_and_deepen(self) -> int:
+        """Wait until the prefetch queue holds half its depth (or the end); then let the thread run twice as
+        far ahead, up to the cap: agreements thin out geometrically without stalling the first steps.
+        Return the steps ready."""
+        producer = self._producer
+        held = producer.wait_ready(max(1, producer.depth // 2))
+        extra = min(2 * producer.depth, self._depth_cap) - producer.depth
+        if extra > 0:
+            producer.grow(extra)
+            self._window = producer.depth
+        return held
 
     def _agree(self) -> None:
         code = self._fill()

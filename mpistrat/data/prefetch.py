@@ -151,6 +151,18 @@ class BackgroundProducer:
             pass
         return self._local_data
 
+    @property
+    def depth(self) -> int:
+        """The most items that may wait for the consumer (``buffer_size``, raised by ``grow``)."""
+        return self._buffer_size
+
+    def grow(self, extra: int) -> None:
+        """Let the thread run ``extra`` more items ahead (consumer thread only)."""
+        if extra > 0 and not self._done:
+            self._buffer_size += extra
+            for _ in range(extra):
+                self._slots.put(None)
+
     def peek(self) -> Any:
         """The next item if one is ready (not taken; None when nothing is ready or at the end)."""
         if not self._local and not self._done:
