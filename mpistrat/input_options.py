@@ -32,7 +32,9 @@ class InputOptions(NamedTuple):
       with a positive buffer size a background thread per rank does it ahead of time.
     experimental_replication_mode: PER_WORKER (default) or PER_REPLICA (datasets from function).
     experimental_place_dataset_on_device: build the dataset on the device (PER_REPLICA only).
-    experimental_per_replica_buffer_size: batches prefetched per replica (default 1; 0 disables).
+    experimental_per_replica_buffer_size: batches prefetched per replica (default 1; 0 disables). On GPUs
+      it bounds the batches held in device memory; on CPU devices with several workers the queue
+      deepens from it up to 64 steps (32 MiB) so the ranks agree on steps less often.
     """
 
     experimental_fetch_to_device: Optional[bool] = None
