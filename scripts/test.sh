@@ -11,6 +11,7 @@ logs="$repo/.test-logs"
 rm -rf "$logs"; mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 status=0
+aborted=0  # MPI runs that exited non-zero (an aborted run writes no junit results)
 summary=()
 
 count() {  # count <junit files...> -> "P passed, F failed, S skipped"
@@ -50,12 +51,20 @@ for n in 2 4; do
       if grep -qE "FAILED|Error|Timeout|Traceback" "$f"; then echo "--- $f ---"; tail -n 60 "$f"; fi
     done
   fi
-  summary+=("$n ranks: $(count "$logs"/n$n-rank*.xml)  (per rank, summed; exit $rc)")
+  line="$n ranks: $(count "$logs"/n$n-rank*.xml)  (per rank, summed; exit $rc)"
+  if [ $rc -ne 0 ]; then  # an aborted job writes no junit file: name the failures from the rank logs
+    failed=$(grep -hoE "^\[rank [0-9]+\] FAILED [^ ]+" "$logs"/n$n-rank*.log 2>/dev/null | sort -u)
+    [ -n "$failed" ] && line="$line; aborted by: $(echo "$failed" | tr '\n' ';' | sed 's/;$//')"
+    aborted=$((aborted + 1))
+  fi
+  summary+=("$line")
 done
 
 echo "=== summary ==="
 for line in "${summary[@]}"; do echo "$line"; done
 if [ $status -eq 0 ]; then echo "all test runs passed"; else echo "SOME TEST RUNS FAILED (logs in $logs)"; fi
 # One closing line over all runs (MPI runs count each rank's results).
-echo "total: $(count "$logs"/*.xml | sed 's/, [0-9]* skipped//')"
+total="total: $(count "$logs"/*.xml | sed 's/, [0-9]* skipped//')"
+[ $aborted -eq 0 ] || total="$total, $aborted MPI run(s) exited non-zero"
+echo "$total"
 exit $status
