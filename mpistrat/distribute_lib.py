@@ -372,7 +372,13 @@ class StrategyExtended:
                 group.close()
 
     def _device_scopes(self) -> list:
-        return [self._device_scope(d) for d in self._local_devices]
+        cached = self.__dict__.get("_cpu_scopes")
+        if cached is not None:
+            return cached
+        scopes = [self._device_scope(d) for d in self._local_devices]
+        if not any(dev.is_gpu(d) for d in self._local_devices):
+            self._cpu_scopes = scopes  # nullcontexts: stateless, reusable by every step
+        return scopes
 
     def _device_scope(self, device: str) -> Any:
         return dev.device_scope(device) if dev.is_gpu(device) else contextlib.nullcontext()

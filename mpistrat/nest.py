@@ -42,6 +42,8 @@ def _flat_sequence(x: Any) -> bool:
 
 def flatten(structure: Any) -> list:
     """The leaves of ``structure`` in a deterministic order."""
+    if not isinstance(structure, (list, tuple, dict)):
+        return [structure]
     if _flat_sequence(structure):
         return list(structure)
     out: list = []
@@ -76,6 +78,8 @@ def _rebuild(template: Any, children: list) -> Any:
 
 def pack_sequence_as(structure: Any, flat: list) -> Any:
     """Inverse of :func:`flatten`: put ``flat`` leaves back into ``structure``'s shape."""
+    if not isinstance(structure, (list, tuple, dict)) and len(flat) == 1:
+        return flat[0]
     if _flat_sequence(structure):
         if len(flat) > len(structure):
             raise ValueError(f"pack_sequence_as: {len(flat) - len(structure)} more leaves than the structure holds")

@@ -94,8 +94,21 @@ def select_component(local_replica_id: int, structure: Any) -> Any:
 
 
 def contains_distributed(structure: Any) -> bool:
-    """Whether any leaf is a DistributedValues (or distributed variable)."""
-    return any(isinstance(v, DistributedValues) for v in nest.flatten(structure))
+    """Whether any leaf is a DistributedValues (or distributed variable).
+
+    Runs on every ``strategy.run``'s arguments: a walk that stops at the first
+    one, in no particular order (dict keys are not sorted).
+    """
+    stack = [structure]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, DistributedValues):
+            return True
+    return False
 
 
 def local_values(value: Any, num_local: int) -> tuple:

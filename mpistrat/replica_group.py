@@ -127,6 +127,8 @@ class Rendezvous:
 
     def meet(self, local_id: int, kind: str, payload: Any, fn: Callable[[list], Sequence[Any]]) -> Any:
         """Deposit ``payload``; when all replicas are here replica 0 runs its ``fn``; return our result."""
+        if self.n == 1:  # alone: nobody to wait for or wake (only the calling thread uses this rendezvous)
+            return fn([payload])[0]
         with self._cond:
             if self._abort is not None:
                 raise ReplicaAbortedError("Another replica failed in this step") from self._abort
@@ -221,20 +223,12 @@ class ReplicaGroup:
 
     def _run_one(self, local_id: int, step: _Step, fn: Callable, frames: list, device_scope: Any,
                  call_args: tuple) -> None:
-        saved = context.thread_stack()
-        context.set_thread_stack(saved + list(frames))
-        marker = self._marker
-        marker.depth = getattr(marker, "depth", 0) + 1
         try:
-            with device_scope:
-                step.results[local_id] = fn(*call_args[0], **call_args[1])
+            step.results[local_id] = self._call_in_replica(fn, frames, device_scope, call_args)
             self.rendezvous.replica_finished()
         except BaseException as exc:
             step.errors[local_id] = exc
             self.rendezvous.abort(exc)
-        finally:
-            marker.depth -= 1
-            context.set_thread_stack(saved)
 
     def _wait_for_replicas(self, step: _Step) -> None:
         try:
@@ -267,6 +261,8 @@ class ReplicaGroup:
         ``args_per_replica[i]`` its ``(args, kwargs)``.
         """
         with self._lock:
+            if self.num_local == 1:
+                return [self._call_in_replica(fn, frames_per_replica[0], device_scopes[0], args_per_replica[0])]
             step = self._step
             self.rendezvous.start_step()
             step.reset(self.num_local - 1)
@@ -287,6 +283,20 @@ class ReplicaGroup:
                 _, exc = (primary or errors)[0]
                 raise exc
             return results
+
+    def _call_in_replica(self, fn: Callable, frames: list, device_scope: Any, call_args: tuple) -> Any:
+        """Call ``fn`` in the calling thread with a replica's context stack and device (a lone replica's
+        whole step: no step state, no rendezvous to reset)."""
+        saved = context.thread_stack()
+        context.set_thread_stack(saved + list(frames))
+        marker = self._marker
+        marker.depth = getattr(marker, "depth", 0) + 1
+        try:
+            with device_scope:
+                return fn(*call_args[0], **call_args[1])
+        finally:
+            marker.depth -= 1
+            context.set_thread_stack(saved)
 
     def close(self) -> None:
         """Stop the replica threads (each after its current job)."""
