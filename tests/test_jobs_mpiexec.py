@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from terminal import run_on_terminal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,35 +34,12 @@ def test_mpiexec_launcher_runs_training(tmp_path):
 @pytest.mark.timeout(150)
 def test_main_job_script_on_a_terminal_shows_the_bar_and_epoch_lines(tmp_path):
     """``bash scripts/main_job.sh`` (the README's main command) with its stderr on a terminal."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_"))}
     env["MPISTRAT_VENV"] = str(Path(sys.executable).parents[1])
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    try:
-        proc = subprocess.Popen(["bash", str(REPO / "scripts" / "main_job.sh"), "--epochs", "2", "--data-dir",
-                                 str(tmp_path / "data")], stdout=subprocess.PIPE, stderr=slave,
-                                stdin=subprocess.DEVNULL, text=True, env=env)
-        os.close(slave)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:  # every writer closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        out = proc.communicate(timeout=120)[0]
-    finally:
-        os.close(master)
-    terminal = b"".join(chunks).decode(errors="replace")
-    assert proc.returncode == 0, out + terminal
+    code, out, terminal = run_on_terminal(["bash", str(REPO / "scripts" / "main_job.sh"), "--epochs", "2",
+                                           "--data-dir", str(tmp_path / "data")], env, timeout=120)
+    assert code == 0, out + terminal
     assert "[main job] mpiexec -n 4 python examples/train.py --progress --epochs 2" in out
     assert "4 workers x 1 replicas = 4 replicas" in out
     assert len(re.findall(r"^epoch \d/2  loss .* examples/s$", out, re.M)) == 2, out  # rank 0 only

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from terminal import run_on_terminal
 
 from mpistrat.examples import digits as D
 from mpistrat.examples import train as T
@@ -226,31 +227,9 @@ def test_updates_go_through_merge_call_and_metrics_are_sync_on_read(data_dir, mo
 
 
 def test_progress_bar_on_a_terminal(data_dir):
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
-    try:
-        proc = subprocess.Popen([sys.executable, TRAIN, "--epochs", "1", "--strategy", "mirrored", "--data-dir",
-                                 data_dir], stdout=subprocess.PIPE, stderr=slave, text=True, env=_env())
-        os.close(slave)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        out = proc.communicate(timeout=60)[0]
-    finally:
-        os.close(master)
-    assert proc.returncode == 0
-    bar = b"".join(chunks).decode(errors="replace")
+    code, out, bar = run_on_terminal([sys.executable, TRAIN, "--epochs", "1", "--strategy", "mirrored", "--data-dir",
+                                      data_dir], _env(), timeout=60)
+    assert code == 0, out + bar
     assert "epoch 1/1:" in bar and "/22 [" in bar, bar  # tqdm's bar on the terminal (stderr) ...
     assert "|" not in out  # ... and never in the log on stdout
 
