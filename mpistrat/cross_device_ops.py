@@ -194,7 +194,8 @@ class CrossDeviceOps:
         if self.check_numerics:
             self._check_finite(per_replica)
         if num_local == 1:
-            reduced = [_as_array(v) for v in per_replica[0]]
+            leaves = per_replica[0]
+            reduced = list(leaves) if set(map(type, leaves)) == {np.ndarray} else [_as_array(v) for v in leaves]
             owned = False
         else:
             reduced = [self._local_reduce(op, [per_replica[i][j] for i in range(num_local)], devices) for j in range(len(per_replica[0]))]

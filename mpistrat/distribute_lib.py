@@ -209,9 +209,14 @@ class ReplicaContext:
         return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, strategy={self._strategy!r})"
 
 
+_PLAIN_LEAVES = frozenset((np.ndarray, float, int, bool, np.float32, np.float64, np.int32, np.int64))
+
+
 def _replica_leaves(kind: str, value: Any) -> list:
     """The leaves of a replica's ``value``; variables read as this replica's copy (one walk, no copies)."""
     flat = nest.flatten(value)
+    if set(map(type, flat)) <= _PLAIN_LEAVES:  # arrays and numbers (the common case): nothing to read
+        return flat
     for j, leaf in enumerate(flat):
         if isinstance(leaf, DistributedValues):
             if not getattr(leaf, "_is_variable", False):
@@ -360,7 +365,7 @@ class StrategyExtended:
         try:
             frames = [[Frame(strategy, ReplicaContext(strategy, self._global_replica_id(i), i, group.rendezvous))]
                       for i in range(self._num_local)]
-            if (args or kwargs) and contains_distributed((args, kwargs)):
+            if (args and contains_distributed(args)) or (kwargs and contains_distributed(kwargs)):
                 self._check_distributed_args((args, kwargs))
                 call_args = [(tuple(select_replica(i, list(args))), select_replica(i, kwargs))
                              for i in range(self._num_local)]

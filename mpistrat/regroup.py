@@ -102,12 +102,20 @@ def contains_distributed(structure: Any) -> bool:
     stack = [structure]
     while stack:
         x = stack.pop()
-        if isinstance(x, (list, tuple)):
+        if isinstance(x, dict):
+            x = tuple(x.values())
+        elif not isinstance(x, (list, tuple)):
+            if isinstance(x, DistributedValues):
+                return True
+            continue
+        if len(x) <= 8:
             stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, DistributedValues):
+            continue
+        kinds = set(map(type, x))  # a long sequence: its distinct types, collected in C
+        if any(issubclass(t, DistributedValues) for t in kinds):
             return True
+        if any(issubclass(t, (list, tuple, dict)) for t in kinds):
+            stack.extend(c for c in x if isinstance(c, (list, tuple, dict)))
     return False
 
 

@@ -64,3 +64,30 @@ def test_regroup_and_select_replica():
     assert select_replica(1, grouped) == {"x": 2, "s": shared}
     with pytest.raises(ValueError, match="different structures"):
         regroup([[1], (1,)])
+
+
+def test_contains_distributed_finds_a_distributed_value_anywhere():
+    from mpistrat.regroup import contains_distributed
+
+    pr = ms.PerReplica((np.zeros(1), np.ones(1)))
+    plain = [np.zeros(2) for _ in range(20)]
+    assert not contains_distributed((plain, {"a": plain, "b": (1.0, None)}))
+    assert contains_distributed((pr,))
+    assert contains_distributed(plain + [pr])  # long sequence, last item
+    assert contains_distributed(plain + [[np.zeros(1), {"x": [pr]}]])  # nested under a long sequence
+    assert contains_distributed({"k": plain[:3] + [(pr,)]})
+    assert not contains_distributed(plain + [[np.zeros(1), {"x": [3]}]])
+
+
+def test_flatten_and_pack_of_long_flat_and_nested_sequences():
+    from mpistrat import nest
+
+    flat = [np.zeros(1) for _ in range(30)]
+    assert nest.flatten(flat) == flat and nest.flatten(tuple(flat)) == flat
+    nested = flat[:10] + [(flat[10], {"b": flat[12], "a": flat[11]})] + flat[13:]
+    assert [id(x) for x in nest.flatten(nested)] == [id(x) for x in flat]
+    packed = nest.pack_sequence_as(nested, list(range(30)))
+    assert packed[10] == (10, {"b": 12, "a": 11}) and packed[:10] == list(range(10)) and packed[11:] == list(range(13, 30))
+    assert nest.pack_sequence_as(np.zeros(1), [7]) == 7
+    with pytest.raises(ValueError):
+        nest.pack_sequence_as(np.zeros(1), [7, 8])
