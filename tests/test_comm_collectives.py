@@ -292,3 +292,35 @@ def test_dropped_communicator_is_released_once_dropped_on_every_rank(comm):
         del kept
     assert lifetime.release_dropped(comm) == 1
     assert win == MPI.WIN_NULL and dup == MPI.COMM_NULL and lifetime.dropped_count() == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dropped_sub_communicator_is_released_by_a_collective_point_over_all_ranks(comm):
+    # A strategy on a Split of the ranks that is never rebuilt: the next collective
+    # point over all ranks releases it once every rank of the split has dropped it.
+    from mpi4py import MPI
+
+    from mpistrat.comm import lifetime
+
+    lifetime.release_dropped(comm)  # earlier tests' leftovers
+    sub = comm.Split(color=comm.rank % 2, key=comm.rank)
+    try:
+        c = RankCommunicator(sub, CommunicationOptions(implementation="SHM"))
+        assert c.allreduce([np.ones(10), np.ones(3)], "sum")[0].tolist() == [sub.size] * 10
+        window = getattr(c._host_backends[0], "_window", None)  # none on a one-rank split
+        win = window.win if window is not None else None
+        dup = c.comm
+        sub_size = sub.size
+    finally:
+        sub.Free()  # the user's communicator; the strategy holds its own duplicate
+    # World rank 0 drops it first: released at once only where it was alone in its split.
+    first = 1 if comm.rank == 0 and sub_size == 1 else 0
+    if comm.rank == 0:
+        del c
+    assert lifetime.release_dropped(comm) == first
+    if comm.rank == 0 and sub_size > 1:
+        assert dup != MPI.COMM_NULL and (win is None or win != MPI.WIN_NULL)  # rank 2 still holds it
+    if comm.rank != 0:
+        del c
+    assert lifetime.release_dropped(comm) == 1 - first
+    assert dup == MPI.COMM_NULL and (win is None or win == MPI.WIN_NULL) and lifetime.dropped_count() == 0

@@ -9,12 +9,17 @@ garbage collector finalizes them at a different moment on every rank, and a
 collective started on one rank alone would hang.
 
 So a finalizer only files the communicator's :class:`Resources` as dropped
-(no MPI call). The next collective point over the same ranks, the creation of
-another communicator on them or :func:`release_dropped`, runs the garbage
-collector, agrees in one small ``allgather`` on what every rank has dropped,
-and releases exactly that, in creation order. Whatever is still held at exit
-is freed there (shared windows by ``shm_window``'s exit hook, the rest by
-``MPI_Finalize``).
+(no MPI call). The next collective point over the same ranks or a superset of
+them (the creation of another communicator there, or :func:`release_dropped`)
+runs the garbage collector, agrees in one small ``allgather`` on what every
+rank has dropped, and releases exactly that: a communicator over a subset of
+the ranks (a strategy on a ``Split`` of them) is released once every rank of
+that subset has dropped it, so a strategy on a sub-communicator that is never
+rebuilt does not hold its windows and communicators until exit. Releases run
+in one order on every rank (by group, then creation order), so their
+collectives on different communicators cannot cross. Whatever is still held
+at exit is freed there (shared windows by ``shm_window``'s exit hook, the
+rest by ``MPI_Finalize``).
 """
 
 from __future__ import annotations
@@ -98,27 +103,32 @@ def track(owner: object, resources: Resources) -> weakref.finalize:
 
 
 def dropped_count() -> int:
-    """How many dropped communicators await release on this rank."""
+    """How many dropped communicators await release on this rank (over any ranks)."""
     return len(_DROPPED)
 
 
 def release_dropped(comm: MPI.Comm | None = None) -> int:
-    """Release the communicators over ``comm``'s ranks dropped on every rank (collective).
+    """Release the dropped communicators over ``comm``'s ranks or a subset of them (collective).
 
-    Returns how many were released. Communicators dropped on some ranks only
-    stay filed for a later call.
+    A communicator is released once every rank it spans has dropped it.
+    Returns how many this rank released. Communicators dropped on some of
+    their ranks only stay filed for a later call.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     gc.collect()  # finalize unreachable strategies now, on every rank
-    key = group_key(comm)
-    mine = [r.serial for r in _DROPPED if r.key == key]
-    everywhere = set(mine)
-    for other in comm.allgather(mine):
-        everywhere &= set(other)
+    ranks = set(group_key(comm))
+    mine = [(r.key, r.serial) for r in _DROPPED if ranks.issuperset(r.key)]
+    # Who filed each (group, serial): released where every rank of the group did.
+    filed: dict[tuple, set[int]] = {}
+    for world_rank, theirs in comm.allgather((MPI.COMM_WORLD.Get_rank(), mine)):
+        for entry in theirs:
+            filed.setdefault(entry, set()).add(world_rank)
+    everywhere = {entry for entry, by in filed.items() if by.issuperset(entry[0])}
     if not everywhere:
         return 0
-    chosen = sorted((r for r in _DROPPED if r.key == key and r.serial in everywhere), key=lambda r: r.serial)
-    _DROPPED[:] = [r for r in _DROPPED if not (r.key == key and r.serial in everywhere)]
-    for resources in chosen:
+    chosen = sorted((r for r in _DROPPED if (r.key, r.serial) in everywhere), key=lambda r: (r.key, r.serial))
+    _DROPPED[:] = [r for r in _DROPPED if (r.key, r.serial) not in everywhere]
+    for resources in chosen:  # one order on every rank: collectives on different communicators never cross
         resources.release()
     return len(chosen)
+
