@@ -71,6 +71,18 @@ class Rendezvous:
         with self._cond:
             self._reset()
 
+    def end_step(self) -> None:
+        """Drop the step's outcome and error once every replica has returned.
+
+        The replica threads keep the group, and so this rendezvous, alive: an
+        outcome or error kept after the step (merge results often hold
+        variables, tracebacks hold replica contexts, both hold the strategy)
+        would keep the strategy from ever being garbage-collected, and with it
+        its threads and communicator.
+        """
+        with self._cond:
+            self._reset()
+
     def abort(self, error: BaseException) -> None:
         """Wake every waiting replica with an error."""
         with self._cond:
@@ -277,6 +289,7 @@ class ReplicaGroup:
             errors = [(i, e) for i, e in enumerate(step.errors) if e is not None]
             results = step.results
             step.reset(0)
+            self.rendezvous.end_step()  # every replica has returned: nobody reads it any more
             if errors:
                 # Prefer the error that started it over the consequences in other replicas.
                 primary = [(i, e) for i, e in errors if not isinstance(e, ReplicaAbortedError)]

@@ -307,3 +307,22 @@ def test_replica_threads_are_reused_and_stopped_with_the_strategy():
     for t in threads:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_strategy_is_collected_after_a_step_whose_replicas_met():
+    # The last meeting's outcome (here the strategy itself; often variables that
+    # hold it) must not stay with the replica threads, which are alive until the
+    # strategy is collected: that cycle would keep both for ever.
+    import gc
+    import weakref
+
+    s = make(2)
+    s.run(lambda: ms.get_replica_context().merge_call(lambda strategy: strategy))
+    threads = list(s.extended._group._threads)
+    ref = weakref.ref(s)
+    del s
+    gc.collect()
+    assert ref() is None
+    for t in threads:
+        t.join(timeout=5)
+    assert threads and not any(t.is_alive() for t in threads)
