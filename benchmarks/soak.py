@@ -106,10 +106,21 @@ class Soak:
         return out
 
 
+class _PlainMLP(MLP):
+    """The same model computing from plain writable arrays (variables' values are read-only)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plain = [np.array(v.value()) for v in self.variables]
+
+    def _params(self) -> list:
+        return self.plain
+
+
 def reference_steps(hidden: int, batches: list, steps: int, comm: MPI.Comm) -> float:
     """Steps/s of the same training step with raw mpi4py (one packed Allreduce(IN_PLACE), NumPy SGD)."""
-    model = MLP([FEATURES, hidden, CLASSES], seed=0)  # outside any strategy: plain arrays underneath
-    params = [v.value() for v in model.trainable_variables]
+    model = _PlainMLP([FEATURES, hidden, CLASSES], seed=0)
+    params = model.plain
     velocity = [np.zeros_like(p) for p in params]
     sizes = [p.size for p in params]
     offsets = np.cumsum([0] + sizes)
