@@ -14,7 +14,7 @@ import contextlib
 import functools
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 import numpy as np
 
@@ -181,26 +181,28 @@ def array_module(device: "str | DeviceSpec"):
 
 
 def _is_cupy_array(x: Any) -> bool:
-    return type(x).__module__.startswith("cupy") and hasattr(x, "device")
+    kind = type(x)
+    return kind is not np.ndarray and kind.__module__.startswith("cupy") and hasattr(x, "device")
+
+
+_HOST_CANONICAL = DeviceSpec().to_string()
+_NO_SCOPE = contextlib.nullcontext()  # stateless: one object serves every CPU scope, in every thread
 
 
 def device_of(x: Any) -> str:
     """The canonical device an array lives on (NumPy arrays and scalars: CPU:0)."""
     if _is_cupy_array(x):
         return DeviceSpec(device_type="GPU", device_index=int(x.device.id)).to_string()
-    return DeviceSpec().to_string()
+    return _HOST_CANONICAL
 
 
-@contextlib.contextmanager
-def device_scope(device: "str | DeviceSpec") -> Iterator[None]:
-    """Make ``device`` current for CuPy (a no-op for CPU devices)."""
+def device_scope(device: "str | DeviceSpec") -> ContextManager[Any]:
+    """A context manager making ``device`` current for CuPy (a no-op for CPU devices)."""
     spec = parse_device(device)
     if spec.device_type != "GPU":
-        yield
-        return
+        return _NO_SCOPE
     cupy = _require_cupy(str(device))
-    with cupy.cuda.Device(spec.device_index):
-        yield
+    return cupy.cuda.Device(spec.device_index)
 
 
 def to_device(x: Any, device: "str | DeviceSpec", *, copy: bool = False) -> Any:

@@ -507,12 +507,16 @@ class StrategyExtended:
                 result = fn(var, *args, **kwargs)
             return result if group else nest.map_structure(lambda r: (r,), result)
         results = []
+        per_copy = bool(args and contains_distributed(args)) or bool(kwargs and contains_distributed(kwargs))
         for i, component in enumerate(var.values):
             frame = Frame(strategy, None, update_replica=i)
             context.push(frame)
             try:
                 with self._device_scope(self._local_devices[i]):
-                    results.append(fn(component, *select_replica(i, list(args)), **select_replica(i, kwargs)))
+                    if per_copy:
+                        results.append(fn(component, *select_replica(i, list(args)), **select_replica(i, kwargs)))
+                    else:
+                        results.append(fn(component, *args, **kwargs))
             finally:
                 context.pop(frame)
         if all(r is None for r in results):  # the common case (updates that return nothing): no regrouping

@@ -20,6 +20,7 @@ threads are atomic.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import itertools
 import threading
@@ -30,6 +31,8 @@ import numpy as np
 from mpistrat import context
 from mpistrat import devices as dev
 from mpistrat.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+
+_NO_SCOPE = contextlib.nullcontext()  # the CPU device scope (stateless, shared)
 
 __all__ = [
     "VariableSynchronization",
@@ -263,6 +266,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         strategy = context.get_strategy()
         device = _device or strategy.extended._local_devices[0]
         self._device = dev.canonicalize(device)
+        self._on_gpu = dev.is_gpu(self._device)
         self._array = _frozen(_array if _array is not None else _initial_array(initial_value, dtype, self._device))
         self._update_lock = threading.Lock()
         self._name = name if name is not None else f"Variable_{next(_names)}"
@@ -314,9 +318,10 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
             raise ValueError(
                 f"Cannot assign a {type(value).__name__} to variable {self._name}, which holds a single value; "
                 "reduce it first (strategy.reduce) or update it per replica with strategy.extended.update.")
-        new = dev.to_device(value, self._device)
-        with dev.device_scope(self._device), self._update_lock:
-            xp = dev.array_module(self._device)
+        on_gpu = self._on_gpu
+        new = value if not on_gpu and type(value) is np.ndarray else dev.to_device(value, self._device)
+        with (dev.device_scope(self._device) if on_gpu else _NO_SCOPE), self._update_lock:
+            xp = dev.array_module(self._device) if on_gpu else np
             if method == "assign":
                 new = xp.array(new, dtype=self.dtype, copy=True)
                 if new.shape != self._array.shape:
