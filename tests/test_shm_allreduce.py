@@ -429,3 +429,42 @@ def test_one_synchronisation_path_gives_the_reduce_scatter_bits(backend):
     finally:
         backend.direct_max_bytes = saved
     assert np.array_equal(out, pieces_result)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("count", [40000, 40001, 16384 * 3])
+def test_long_arrays_reduced_chunk_by_chunk_give_the_same_bits(count):
+    """allreduce_array in 64 KiB chunks (several, a partial last one) equals the unchunked reduction bit
+    for bit, out of place and in place, and leaves the input untouched."""
+    comm = MPI.COMM_WORLD
+    chunked = ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=64 << 10)
+    whole = ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=0)
+    try:
+        assert chunked.chunk_bytes == 64 << 10 and whole.chunk_bytes == 0
+        x = _data(count, "float32", comm.rank, seed=3)
+        expected = np.empty_like(x)
+        whole.allreduce_array(x, expected, "sum")
+        got = np.full_like(x, -7)
+        chunked.allreduce_array(x, got, "sum")
+        assert np.array_equal(got, expected)
+        assert np.array_equal(x, _data(count, "float32", comm.rank, seed=3)), "the input must be untouched"
+        chunked.allreduce_array(MPI.IN_PLACE, x, "sum")
+        assert np.array_equal(x, expected)
+        ref = _data(count, "float32", comm.rank, seed=3)
+        comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
+        assert np.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        chunked.close()
+        whole.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_chunk_size_is_agreed_over_the_ranks():
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=(1 << 20) + comm.rank * 4096)
+    try:
+        assert b.chunk_bytes == 1 << 20  # the smallest: every rank cuts the same chunks
+    finally:
+        b.close()
+    with pytest.raises(ValueError, match="chunk_bytes >= 0"):
+        ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=-1)

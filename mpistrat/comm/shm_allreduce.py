@@ -52,6 +52,10 @@ Environment knobs (constructor arguments override them):
 * ``MPISTRAT_SHM_MAX_BYTES``: largest bucket, per rank (default 64M). The
   window takes ``2 x`` this per rank at most (two buckets).
 * ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
+* ``MPISTRAT_SHM_CHUNK_BYTES``: ``allreduce_array`` reduces longer arrays
+  chunk by chunk, two synchronisations per chunk (default 0: off; ``2M`` was
+  up to 1.7x faster at 16-64 MiB on an idle 2-core VM, 2x slower when
+  synchronisation was slow there).
 * ``MPISTRAT_SHM_SYNC``: ``barrier``, ``counter`` or ``auto`` (default, which
   is ``counter``: measured as fast or faster than ``Barrier`` at every size,
   at 2 and 4 ranks; only ``counter`` honours ``timeout_seconds``).
@@ -96,6 +100,7 @@ _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum on
 
 _DEFAULT_MAX = 64 << 20
 _DEFAULT_BLOCK = 256 << 10
+_DEFAULT_CHUNK = 2 << 20
 _INITIAL = 1 << 20
 # allreduce_packed_to on one node: up to this size every rank sums all
 # segments after one synchronisation; above it the reduce-scatter (two
@@ -181,6 +186,7 @@ class ShmAllreduceBackend:
         min_bytes: int | None = None,
         max_bytes: int | None = None,
         block_bytes: int | None = None,
+        chunk_bytes: int | None = None,
         sync: str | None = None,
         timeout_seconds: float | None = None,
     ) -> None:
@@ -212,6 +218,17 @@ class ShmAllreduceBackend:
         # One node: buckets up to this size take one synchronisation (allreduce_packed_to).
         direct = DIRECT_MAX_BYTES if self.spin else DIRECT_MAX_BYTES_OVERSUBSCRIBED
         self.direct_max_bytes = direct if lay.num_nodes == 1 and lay.local_size > 1 else -1
+        # allreduce_array of a long array, chunk by chunk, so each chunk's copy in, sum and copy out stay
+        # in cache. Off by default: on this project's 2-core VM, 2 ranks, 2 MiB chunks took 16 MiB in 2.2-2.9
+        # instead of 3.6-4.5 ms (64 MiB: 2.5x raw MPI instead of 1.5x) in most runs, but in 1-3 runs of 5 every
+        # synchronisation cost about a scheduler slice and chunks were 2x slower than raw MPI (one pass:
+        # 2 synchronisations, 16 MiB in 2 MiB chunks: 16). Worth trying on dedicated nodes.
+        # The smallest choice over the ranks, so all cut the same chunks.
+        if chunk_bytes is None:
+            chunk_bytes = _env_bytes("MPISTRAT_SHM_CHUNK_BYTES", 0)
+        if chunk_bytes < 0:
+            raise ValueError(f"ShmAllreduceBackend: need chunk_bytes >= 0 (0: no chunks), got {chunk_bytes}")
+        self.chunk_bytes = int(lay.comm.allreduce(int(chunk_bytes), op=MPI.MIN))
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
         self._sync: NodeSync | None = None
@@ -322,14 +339,21 @@ class ShmAllreduceBackend:
         :meth:`allreduce_packed_to`. Above: the reduce-scatter, with only the
         slices the other ranks sum copied into the segment (this rank's own
         slice is read from ``src``: at 2 ranks, 1 MiB in 78 instead of 108 us),
-        then the pieces copied into ``dst``.
-        (Streaming a long array through a small ring, one synchronisation per
-        chunk, kept the window in cache and was 1.2-2.6x faster at 16-64 MiB on
-        an idle node, but 1.5-3x slower than this on a busy one: every
-        synchronisation can cost a time slice there.)
+        then the pieces copied into ``dst``. With ``chunk_bytes`` set, longer
+        arrays go chunk by chunk, so each chunk stays in cache between its
+        passes, at two synchronisations per chunk (see ``__init__``).
         """
         source = (dst if src is MPI.IN_PLACE else src).reshape(-1)
         out = dst.reshape(-1)
+        chunk = self.chunk_bytes // out.dtype.itemsize
+        if 0 < chunk < out.shape[0]:  # the same count and dtype on every rank: the same chunks
+            for start in range(0, out.shape[0], chunk):
+                self._allreduce_contiguous(source[start : start + chunk], out[start : start + chunk], op)
+            return
+        self._allreduce_contiguous(source, out, op)
+
+    def _allreduce_contiguous(self, source: np.ndarray, out: np.ndarray, op: str) -> None:
+        """:meth:`allreduce_array` of one 1-D array or chunk (``source`` may be ``out``)."""
         count, dtype = out.shape[0], out.dtype
         buf = self.pack_buffer(count, dtype)
         if count * dtype.itemsize <= self.direct_max_bytes:
