@@ -37,7 +37,9 @@ def pytest_runtest_logreport(report):
     sys.stderr.write(text)
     sys.stderr.flush()
     sys.stdout.flush()
-    world.Abort(1)
+    from mpistrat.comm.safety import abort_world  # noqa: PLC0415 - MPICH leaves /dev/shm files at a bare Abort
+
+    abort_world(1)
 
 
 def pytest_collection_modifyitems(config, items):

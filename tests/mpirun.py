@@ -98,3 +98,33 @@ def wait_for_no_leftovers(tag: str, grace: float = 5.0) -> list[int]:
     for pid in found:
         os.kill(pid, signal.SIGKILL)
     return found
+
+
+def mpich_shm_files() -> set[str]:
+    """Names of MPICH's shared-memory files in /dev/shm (empty where there is none)."""
+    try:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def remove_orphaned_shm_files(names: set[str]) -> list[str]:
+    """Unlink those of ``names`` that no live process maps: what a job killed with SIGKILL leaves
+    (MPICH unlinks them at MPI_Finalize; mpistrat's abort path at MPI_Abort; nobody after SIGKILL)."""
+    mapped = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                mapped.update(name for name in names if any(name in line for line in maps))
+        except OSError:
+            continue
+    removed = []
+    for name in sorted(names - mapped):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed

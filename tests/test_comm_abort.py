@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import pytest
+from mpirun import mpich_shm_files
 
 from mpistrat.comm import safety
 
@@ -124,3 +125,28 @@ def test_run_usage_errors():
     proc = subprocess.run([sys.executable, "-m", "mpistrat.run"], capture_output=True, text=True,
                           timeout=60, env=_clean_env())
     assert proc.returncode == 2 and "usage: python -m mpistrat.run" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")
+def test_aborted_job_leaves_no_mpich_shared_memory_file(tmp_path):
+    """MPICH unlinks its /dev/shm files at MPI_Finalize, not at MPI_Abort; the abort path does it."""
+    from mpi4py import MPI
+
+    if "MPICH" not in MPI.Get_library_version():
+        pytest.skip("MPICH's shared memory files: another MPI library names its own")
+    before = mpich_shm_files()
+    proc, _ = _run(tmp_path, "raise", ranks=2)
+    assert proc.returncode != 0 and "aborting all 2 ranks" in proc.stderr + proc.stdout
+    after = mpich_shm_files()
+    assert not (after - before), f"left in /dev/shm: {sorted(after - before)}"
+    # the contrast, so the assertion above can fail: a bare MPI_Abort leaves one
+    bare = tmp_path / "bare.py"
+    bare.write_text("from mpi4py import MPI\nif MPI.COMM_WORLD.rank == 1:\n    MPI.COMM_WORLD.Abort(1)\n"
+                    "MPI.COMM_WORLD.Barrier()\n")
+    subprocess.run([_mpiexec(), "-n", "2", sys.executable, str(bare)], capture_output=True, timeout=60,
+                   env=_clean_env())
+    leaked = mpich_shm_files() - after
+    for name in leaked:  # do not leave it behind ourselves
+        os.unlink(os.path.join("/dev/shm", name))
+    assert leaked, "a bare MPI_Abort no longer leaves a file: the workaround may be obsolete"

@@ -85,6 +85,7 @@ __all__ = [
     "install_abort_on_exception",
     "abort_hook_installed",
     "abort_world",
+    "unlink_mpi_shared_memory_files",
     "GRACE_ENV",
     "NO_ABORT_HOOK_ENV",
 ]
@@ -713,9 +714,35 @@ def _report_and_abort(exc_type: type, exc: BaseException | None, tb: Any, where:
     return True
 
 
+def unlink_mpi_shared_memory_files() -> list[str]:
+    """Unlink the ``/dev/shm`` files this process has mapped for MPICH's shared memory; return them.
+
+    MPICH removes them at ``MPI_Finalize`` but not at ``MPI_Abort``, so every
+    aborted job would leave a few MiB in ``/dev/shm`` of each node (seen here: one
+    file per aborted job). Unlinking is safe while the job still runs: mapped
+    memory stays valid for every process that has it; only new attachments by
+    name would fail, and an aborting job makes none.
+    """
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_shm_" in line}
+    except (OSError, IndexError):
+        return []
+    removed = []
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # another rank was first
+            pass
+    return removed
+
+
 def abort_world(code: int) -> None:
     """``MPI.COMM_WORLD.Abort(code)`` after a short pause, so the launcher can
-    forward what this rank just wrote before it kills the job."""
+    forward what this rank just wrote before it kills the job; MPICH's shared
+    memory files are unlinked first (:func:`unlink_mpi_shared_memory_files`)."""
+    unlink_mpi_shared_memory_files()
     time.sleep(0.2)
     MPI.COMM_WORLD.Abort(code)
 
