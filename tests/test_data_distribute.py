@@ -282,3 +282,44 @@ def test_place_dataset_on_device_per_replica_hands_out_without_a_thread():
     assert values(next(it)) == [[0, 1], [0, 1]]  # one dataset per replica, placed on its (CPU) device
     assert len(live_producer_threads()) == before
     assert [values(s) for s in it] == [[[2, 3], [2, 3]]]
+
+
+def test_byte_budget_bounds_what_the_prefetch_thread_holds():
+    """A producer with a byte budget holds at most its min_items, or more only while they fit."""
+    from mpistrat.data.prefetch import BackgroundProducer, ByteBudget
+
+    budget = ByteBudget(max_bytes=100, min_items=2, sizeof=len)
+    items = [b"x" * 60, b"y" * 60, b"z" * 10, b"w" * 90]
+    producer = BackgroundProducer(lambda: iter(items), 10, budget=budget)
+    try:
+        deadline = time.time() + 5
+        while not budget.blocked and time.time() < deadline:
+            time.sleep(0.01)
+        assert budget.blocked and budget.used == 120  # two items (min_items) although they exceed 100
+        assert producer.wait_ready(4) == 2  # waiting for more would wait forever: it returns what is there
+        assert next(producer) == items[0]  # frees 60: z (10) fits beside y, w (90) does not
+        while budget.used != 70 and time.time() < deadline:
+            time.sleep(0.01)
+        assert budget.used == 70 and budget.blocked
+        assert list(producer) == items[1:]
+        assert budget.used == 0
+    finally:
+        producer.close()
+
+
+def test_wait_ready_with_patience_returns_what_it_has():
+    from mpistrat.data.prefetch import BackgroundProducer
+
+    def slow():
+        yield 0
+        time.sleep(1.0)
+        yield 1
+
+    producer = BackgroundProducer(slow, 4)
+    try:
+        t0 = time.monotonic()
+        assert producer.wait_ready(3, patience=0.05) == 1  # one step, then at most the patience
+        assert time.monotonic() - t0 < 0.8
+        assert list(producer) == [0, 1]
+    finally:
+        producer.close()

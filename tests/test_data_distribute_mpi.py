@@ -473,18 +473,49 @@ def test_agreement_thins_out_with_the_default_buffer_on_cpu(comm, rank_comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_deepened_prefetch_queue_is_bounded_in_bytes(comm, rank_comm):
-    """Steps of 8 MiB: the queue deepens to at most AGREEMENT_BYTES of steps, not AGREEMENT_WINDOW steps."""
+    """Steps of 4-12 MiB after a tiny first one: the queue may deepen, but the bytes the thread holds
+    never exceed AGREEMENT_BYTES (beyond the one step it may always hold), whatever the first step weighed."""
     from mpistrat.data.distribute import AGREEMENT_BYTES
 
     info = InputWorkerInfo(comm.size, comm.rank, ("/cpu:0",), comm.size, comm.rank, rank_comm)
-    step_bytes = 8 << 20
-    rows = step_bytes // 8
-    ds = with_policy(D.Dataset.range(24 * comm.size).map(lambda i: np.full(rows, i, np.float64)).batch(comm.size),
-                     AutoShardPolicy.DATA)
+    sizes = [1] + [(4 << 20) // 8 * (1 + k % 3) for k in range(23)]  # float64 rows: 8 B, then 4, 8, 12 MiB
+
+    def rows(i):
+        return np.full(sizes[int(i) // comm.size], i, np.float64)
+
+    # global batch = one row per rank; every row of a step has the same size
+    ds = with_policy(D.Dataset.range(24 * comm.size).map(rows).batch(comm.size), AutoShardPolicy.DATA)
     it = iter(DistributedDataset(ds, info, InputOptions()))
-    depths = []
+    budget = it._producer._budget
+    assert budget is not None and budget.max_bytes == AGREEMENT_BYTES
+    held = []
     for step, x in enumerate(it):
-        assert float(np.asarray(x)[0, 0]) == step * comm.size + comm.rank
-        depths.append(it._producer.depth)
-    assert len(depths) == 24
-    assert max(depths) == AGREEMENT_BYTES // step_bytes  # deepened beyond the buffer, then capped by bytes
+        assert np.asarray(x).shape == (1, sizes[step]) and float(np.asarray(x)[0, 0]) == step * comm.size + comm.rank
+        held.append(budget.used)
+    assert step == 23
+    assert max(held) <= AGREEMENT_BYTES
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_slow_reader_makes_its_peers_wait_about_one_step_not_many(comm):
+    """Rank 0 reads 0.1 s per step, the collective timeout is 1.5 s: an agreement waits for the steps a
+    rank holds (plus a short patience), not for many, so the others never time out."""
+    import time
+
+    from mpistrat.comm.communicator import RankCommunicator
+    from mpistrat.comm.options import CommunicationOptions
+
+    rc = RankCommunicator(comm, CommunicationOptions(timeout_seconds=1.5))
+    try:
+        def slow(x):
+            if comm.rank == 0:
+                time.sleep(0.1)
+            return x
+
+        n_steps = 30
+        ds = with_policy(D.Dataset.range(n_steps * comm.size).map(slow).batch(comm.size), AutoShardPolicy.DATA)
+        got = [int(np.asarray(x)[0]) for x in DistributedDataset(ds, worker_info(rc, 1), InputOptions())]
+        assert got == [s * comm.size + comm.rank for s in range(n_steps)]
+    finally:
+        rc.close()

@@ -37,7 +37,7 @@ from .autoshard import DATA, needs_seeds, resolve_policy, with_seeds
 from .dataset import Dataset
 from .errors import InputPipelineError, OutOfRangeError, rank_label
 from .optional import Optional
-from .prefetch import BackgroundProducer
+from .prefetch import BackgroundProducer, ByteBudget
 from .spec import PerReplicaSpec, TensorSpec
 from .splitting import empty_like_template, function_steps, global_steps, local_steps, template_of
 
@@ -46,6 +46,7 @@ __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "Distributed
 EXHAUSTED, EXHAUSTED_NO_TEMPLATE, FAILED = 0, -1, -2  # a positive code: steps held in memory
 AGREEMENT_WINDOW = 64  # most steps agreed at once
 AGREEMENT_BYTES = 32 << 20  # most host bytes read ahead for one agreement (at least one step)
+AGREEMENT_PATIENCE = 0.02  # seconds an agreement waits for more steps than the one it has
 _TRANSFORMATIONS = frozenset(
     "map filter batch unbatch shuffle repeat take skip shard interleave flat_map prefetch cache zip "
     "enumerate concatenate with_options padded_batch apply window".split()
@@ -166,8 +167,9 @@ class DistributedIterator:
     (device memory), so agreement is amortised over at most that many steps:
     raise the buffer size, or use 0 (no thread), for input-bound multi-rank GPU
     pipelines. On CPU devices with several workers the queue starts at the buffer
-    size and doubles at each agreement up to ``AGREEMENT_WINDOW`` steps (and
-    ``AGREEMENT_BYTES``), so the agreements thin out without a larger buffer. A
+    size and doubles whenever an agreement finds it full, up to
+    ``AGREEMENT_WINDOW`` steps and ``AGREEMENT_BYTES`` beyond the buffer size, so
+    the agreements thin out without a larger buffer. A
     single worker has nothing to agree on and reads no further ahead than the
     buffer. A rank never promises a step it has not read,
     so iteration ends, and a read error is raised on every rank, at exactly the
@@ -194,23 +196,27 @@ class DistributedIterator:
         buffer = options.experimental_per_replica_buffer_size
         self._producer: _Opt[BackgroundProducer] = None
         self._window = AGREEMENT_WINDOW if self._comm is not None else 1
-        self._buffer = buffer
+        self._target = 1  # steps to wait for (briefly) before the next agreement; doubles up to the depth
         self._depth_cap = buffer  # the most steps the prefetch thread may hold (its queue grows up to it)
+        budget = None
         if options.fetch_to_device and buffer > 0:
             # The thread runs at most its queue's depth ahead and then blocks. It starts at `buffer`: a thread
             # that is always busy (a deep queue filling) holds the GIL whenever this thread wakes from the
             # user's compute, which costs up to the interpreter's switch interval (5 ms) per step. With
-            # several workers on CPU devices the depth doubles at each agreement up to AGREEMENT_WINDOW steps
-            # (and AGREEMENT_BYTES, once a step's size is known), so that agreement is amortised as with host
+            # several workers on CPU devices the depth doubles whenever an agreement finds the queue full, up
+            # to AGREEMENT_WINDOW steps, and the thread holds no more than AGREEMENT_BYTES beyond `buffer`
+            # steps (a byte budget counted step by step), so that agreement is amortised as with host
             # read-ahead. On GPUs it stays at `buffer`: device memory holds at most buffer + 1 steps ahead.
             if self._comm is not None and not any(placer.gpu.values()):
                 self._depth_cap = max(buffer, AGREEMENT_WINDOW)
+                budget = ByteBudget(AGREEMENT_BYTES, buffer, _nbytes)
             self._window = buffer
 
             def produce() -> Iterator[List[Any]]:
                 return (placer(values) for values in make_steps())
 
-            self._producer = BackgroundProducer(produce, buffer, name=f"mpistrat-input-{rank_label().replace(' ', '')}")
+            self._producer = BackgroundProducer(produce, buffer, name=f"mpistrat-input-{rank_label().replace(' ', '')}",
+                                                budget=budget)
             self._source: Iterator = self._producer
         else:
             self._source = make_steps()  # placed on hand-out, so read-ahead stays on the host
@@ -247,9 +253,6 @@ class DistributedIterator:
             elif self._template is None:
                 first = self._producer.peek()
                 self._template = next((template_of(v) for v in first if v is not None), None)
-                step = _nbytes(first)
-                if step and self._depth_cap > self._buffer:  # a raised cap: bounded in bytes too
-                    self._depth_cap = max(self._buffer, min(self._depth_cap, AGREEMENT_BYTES // step))
         else:
             if not self._ready:
                 self._pull()
@@ -266,15 +269,23 @@ class DistributedIterator:
         return EXHAUSTED if self._template is not None else EXHAUSTED_NO_TEMPLATE
 
     def _wait_and_deepen(self) -> int:
-        """Wait until the prefetch queue holds half its depth (or the end); then let the thread run twice as
-        far ahead, up to the cap: agreements thin out geometrically without stalling the first steps.
-        Return the steps ready."""
+        """The steps ready in the prefetch queue, after a short wait for more.
+
+        With peers to agree with, wait (at most ``AGREEMENT_PATIENCE`` beyond the
+        first step) for ``_target`` steps, which doubles at each agreement up to
+        the queue's depth: agreements thin out geometrically without stalling the
+        first steps, and a slow reader makes its peers wait about one step's
+        read, not many. A full queue means the thread keeps up: it may then run
+        twice as far ahead, up to the cap.
+        """
         producer = self._producer
-        held = producer.wait_ready(max(1, producer.depth // 2))
-        extra = min(2 * producer.depth, self._depth_cap) - producer.depth
-        if extra > 0:
-            producer.grow(extra)
+        if self._comm is None:
+            return producer.wait_ready(1)
+        held = producer.wait_ready(self._target, patience=AGREEMENT_PATIENCE)
+        if held >= producer.depth and producer.depth < self._depth_cap:
+            producer.grow(min(2 * producer.depth, self._depth_cap) - producer.depth)
             self._window = producer.depth
+        self._target = min(2 * self._target, producer.depth)
         return held
 
     def _agree(self) -> None:

@@ -22,10 +22,11 @@ import atexit
 import collections
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterator
 
-__all__ = ["BackgroundProducer", "live_producer_threads"]
+__all__ = ["BackgroundProducer", "ByteBudget", "live_producer_threads"]
 
 _END = object()
 _POLL = 0.05  # seconds between checks of the stop flag / the thread's life while blocked
@@ -56,13 +57,56 @@ def _take_slot(slots: queue.SimpleQueue, stop: threading.Event) -> bool:
         return not stop.is_set()
 
 
+class ByteBudget:
+    """A bound on the bytes of the items waiting for the consumer (shared by the thread and the consumer).
+
+    The thread may always hold ``min_items`` items; beyond that it waits
+    until the queued items and the next one fit in ``max_bytes``. Sizes are
+    kept in hand-over order, so the consumer returns each item's bytes when it
+    takes the item.
+    """
+
+    def __init__(self, max_bytes: int, min_items: int, sizeof: Callable[[Any], int]):
+        self.max_bytes = int(max_bytes)
+        self.min_items = max(1, int(min_items))
+        self.sizeof = sizeof
+        self.used = 0
+        self.blocked = False  # the thread waits for the consumer to free bytes
+        self._sizes: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+
+    def acquire(self, item: Any, stop: threading.Event) -> bool:
+        """Thread side: wait until ``item`` fits; False when told to stop."""
+        size = self.sizeof(item)
+        with self._cond:
+            while (len(self._sizes) >= self.min_items and self.used + size > self.max_bytes
+                   and not stop.is_set()):
+                self.blocked = True
+                self._cond.wait(_POLL)
+            self.blocked = False
+            if stop.is_set():
+                return False
+            self.used += size
+            self._sizes.append(size)
+        return True
+
+    def release(self) -> None:
+        """Consumer side: the oldest item was taken."""
+        with self._cond:
+            if self._sizes:
+                self.used -= self._sizes.popleft()
+            self._cond.notify()
+
+
 def _run(make_iterator: Callable[[], Iterator], items: queue.SimpleQueue, slots: queue.SimpleQueue,
-         stop: threading.Event) -> None:
+         stop: threading.Event, budget: "ByteBudget | None") -> None:
     it = None
     try:
         it = make_iterator()
         for item in it:
             if not _take_slot(slots, stop):
+                return
+            if budget is not None and not budget.acquire(item, stop):
                 return
             items.put(item)
         items.put(_END)
@@ -79,9 +123,11 @@ def _run(make_iterator: Callable[[], Iterator], items: queue.SimpleQueue, slots:
 
 
 class BackgroundProducer:
-    """Iterate ``make_iterator()`` in a background thread, at most ``buffer_size`` items ahead."""
+    """Iterate ``make_iterator()`` in a background thread, at most ``buffer_size`` items ahead
+    (and, with a ``budget``, at most its bytes beyond its ``min_items``)."""
 
-    def __init__(self, make_iterator: Callable[[], Iterator], buffer_size: int, name: str = "mpistrat-prefetch"):
+    def __init__(self, make_iterator: Callable[[], Iterator], buffer_size: int, name: str = "mpistrat-prefetch",
+                 budget: "ByteBudget | None" = None):
         if buffer_size < 1:
             raise ValueError(f"BackgroundProducer needs buffer_size >= 1, got {buffer_size}")
         self._buffer_size = int(buffer_size)
@@ -93,20 +139,27 @@ class BackgroundProducer:
         self._local_data = 0  # data items (not the end or a failure) in _local
         self._stop = threading.Event()
         self._done = False
-        self._thread = threading.Thread(target=_run, args=(make_iterator, self._items, self._slots, self._stop),
+        self._budget = budget
+        self._thread = threading.Thread(target=_run, args=(make_iterator, self._items, self._slots, self._stop, budget),
                                         name=name, daemon=True)
         self._thread.start()
         _live.add(self)
         _threads.add(self._thread)
 
     # -- the consumer side --------------------------------------------------------------
-    def _receive(self, block: bool) -> bool:
-        """Move one item from the thread into ``_local``; False when none came (non-blocking, or thread gone)."""
+    def _receive(self, block: bool, deadline: float | None = None) -> bool:
+        """Move one item from the thread into ``_local``; False when none came (non-blocking, or past
+        ``deadline`` on the monotonic clock)."""
         while True:
             try:
-                item = self._items.get(timeout=_POLL) if block else self._items.get_nowait()
-            except queue.Empty:
                 if not block:
+                    item = self._items.get_nowait()
+                elif deadline is None:
+                    item = self._items.get(timeout=_POLL)
+                else:
+                    item = self._items.get(timeout=min(_POLL, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if not block or (deadline is not None and time.monotonic() >= deadline):
                     return False
                 if not self._thread.is_alive() and self._items.empty():
                     self._local.append(_Failure(RuntimeError("the prefetch thread ended without a result")))
@@ -135,17 +188,29 @@ class BackgroundProducer:
                 raise item.exc
             raise StopIteration
         self._local_data -= 1
+        if self._budget is not None:
+            self._budget.release()
         self._slots.put(None)  # its slot is free again
         return item
 
-    def wait_ready(self, count: int) -> int:
-        """Block until ``count`` items are ready, the buffer is full, or the producer has finished;
-        return the number of items (not counting the end or a failure) that ``next`` will return
-        without waiting."""
+    def wait_ready(self, count: int, patience: float | None = None) -> int:
+        """Block until ``count`` items are ready, the buffer (or byte budget) is full, or the producer
+        has finished; with ``patience`` (seconds), stop waiting for more than one item after that
+        long. Return the number of items (not counting the end or a failure) that ``next`` will
+        return without waiting."""
         if self._done:
             return 0
         count = min(int(count), self._buffer_size)
+        deadline = None
         while self._local_data < count and not self._terminal_received():
+            if self._local_data >= 1:
+                if self._budget is not None and self._budget.blocked:
+                    break  # the thread waits for us: everything it made is on its way
+                if patience is not None:
+                    deadline = deadline if deadline is not None else time.monotonic() + patience
+                    if not self._receive(block=True, deadline=deadline):
+                        break
+                    continue
             self._receive(block=True)
         while self._receive(block=False):  # whatever else is ready, without waiting
             pass
