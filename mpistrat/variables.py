@@ -23,6 +23,7 @@ import abc
 import contextlib
 import enum
 import itertools
+import operator
 import threading
 from typing import Any, Callable
 
@@ -76,37 +77,7 @@ def _operand(x: Any) -> Any:
 
 
 class _Operators:
-    """Arithmetic and comparison through the variable's current value."""
-
-    import operator as _op
-
-    __add__ = _binary(_op.add)
-    __radd__ = _binary(_op.add, True)
-    __sub__ = _binary(_op.sub)
-    __rsub__ = _binary(_op.sub, True)
-    __mul__ = _binary(_op.mul)
-    __rmul__ = _binary(_op.mul, True)
-    __truediv__ = _binary(_op.truediv)
-    __rtruediv__ = _binary(_op.truediv, True)
-    __floordiv__ = _binary(_op.floordiv)
-    __rfloordiv__ = _binary(_op.floordiv, True)
-    __mod__ = _binary(_op.mod)
-    __pow__ = _binary(_op.pow)
-    __rpow__ = _binary(_op.pow, True)
-    __rmod__ = _binary(_op.mod, True)
-    __and__ = _binary(_op.and_)
-    __rand__ = _binary(_op.and_, True)
-    __or__ = _binary(_op.or_)
-    __ror__ = _binary(_op.or_, True)
-    __xor__ = _binary(_op.xor)
-    __rxor__ = _binary(_op.xor, True)
-    __matmul__ = _binary(_op.matmul)
-    __rmatmul__ = _binary(_op.matmul, True)
-    __lt__ = _binary(_op.lt)
-    __le__ = _binary(_op.le)
-    __gt__ = _binary(_op.gt)
-    __ge__ = _binary(_op.ge)
-    del _op
+    """Arithmetic and comparison through the variable's current value (binary operators set below)."""
 
     def __neg__(self) -> Any:
         return -self.value()
@@ -127,6 +98,17 @@ class _Operators:
         return int(self.value())
 
     __hash__ = object.__hash__
+
+
+_REFLECTED_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor", "matmul")
+_COMPARISONS = ("lt", "le", "gt", "ge")
+
+for _name in _REFLECTED_OPERATORS + _COMPARISONS:
+    _dunder = _name.rstrip("_")
+    setattr(_Operators, f"__{_dunder}__", _binary(getattr(operator, _name)))
+    if _name in _REFLECTED_OPERATORS:
+        setattr(_Operators, f"__r{_dunder}__", _binary(getattr(operator, _name), reflected=True))
+del _name, _dunder
 
 
 class BaseVariable(_Operators):

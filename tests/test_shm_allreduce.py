@@ -30,6 +30,16 @@ def _data(count, dtype, rank, seed=0):
     return rng.integers(-1000, 1000, count).astype(dtype)
 
 
+def _cases_against_mpi(comm, dtype, op):
+    """(index, count, this rank's data, MPI.Allreduce of it, whether the result must be bit-exact) per size."""
+    for i, count in enumerate(SIZES):
+        x = _data(count, dtype, comm.rank, seed=i)
+        ref = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, ref, op=OPS[op])
+        exact = np.dtype(dtype).kind == "i" or op != "sum" or comm.size == 2
+        yield i, count, x, ref, exact
+
+
 def _run(backend, x, op):
     buf = backend.pack_buffer(x.size, x.dtype)
     assert buf.shape == x.shape and buf.dtype == x.dtype
@@ -71,14 +81,9 @@ def backend(request):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", list(OPS))
 def test_matches_mpi_allreduce(backend, dtype, op):
-    comm = MPI.COMM_WORLD
-    for i, count in enumerate(SIZES):
-        x = _data(count, dtype, comm.rank, seed=i)
-        ref = x.copy()
-        comm.Allreduce(MPI.IN_PLACE, ref, op=OPS[op])
+    for _, count, x, ref, exact in _cases_against_mpi(MPI.COMM_WORLD, dtype, op):
         got = _run(backend, x, op)
         assert got.dtype == np.dtype(dtype) and got.shape == (count,)
-        exact = np.dtype(dtype).kind == "i" or op != "sum" or comm.size == 2
         if exact:
             assert np.array_equal(got, ref), f"count={count}: differs from MPI.Allreduce"
         else:
@@ -356,11 +361,7 @@ def test_env_pretend_nodes_capped_on_a_small_sub_communicator(monkeypatch):
 def test_reduce_into_private_memory_matches_mpi(backend, dtype, op):
     """allreduce_packed_to and allreduce_array (and in place), one and two synchronisations."""
     comm = MPI.COMM_WORLD
-    for i, count in enumerate(SIZES):
-        x = _data(count, dtype, comm.rank, seed=i)
-        ref = x.copy()
-        comm.Allreduce(MPI.IN_PLACE, ref, op=OPS[op])
-        exact = np.dtype(dtype).kind == "i" or op != "sum" or comm.size == 2
+    for i, count, x, ref, exact in _cases_against_mpi(comm, dtype, op):
         check = np.array_equal if exact else (lambda a, b: np.allclose(a, b, rtol=1e-5, atol=1e-5))
         out = np.full(count, -7, dtype)
         backend.pack_buffer(count, x.dtype)[:] = x
