@@ -469,3 +469,30 @@ def test_chunk_size_is_agreed_over_the_ranks():
         b.close()
     with pytest.raises(ValueError, match="chunk_bytes >= 0"):
         ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=-1)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "bad, message",
+    [({"chunk_bytes": -1}, "chunk_bytes >= 0"), ({"max_bytes": -5}, "max_bytes >= 0"), ({"sync": "spin"}, "sync must be")],
+)
+def test_a_bad_setting_on_one_rank_raises_on_every_rank(bad, message):
+    """The last rank alone passes a bad value: no rank may be left waiting in the constructor's collectives."""
+    comm = MPI.COMM_WORLD
+    last = comm.size - 1
+    kwargs = bad if comm.rank == last else {}
+    with pytest.raises(ValueError) as info:
+        ShmAllreduceBackend(comm, min_bytes=0, **kwargs)
+    if comm.rank == last:
+        assert message in str(info.value)
+    else:
+        assert f"failed on rank(s) [{last}]" in str(info.value) and message in str(info.value)
+    ok = ShmAllreduceBackend(comm, min_bytes=0)  # the communicator is still usable by all ranks
+    try:
+        x = np.full(8, comm.rank + 1.0)
+        out = np.empty_like(x)
+        ok.allreduce_array(x, out, "sum")
+        assert np.all(out == comm.size * (comm.size + 1) / 2)
+    finally:
+        ok.close()

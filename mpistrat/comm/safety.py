@@ -145,6 +145,20 @@ class PeerExitedError(CollectiveError):
         self.exited_ranks = list(exited_ranks)
 
 
+def raise_on_every_rank(comm: Any, error: BaseException | None, what: str) -> None:
+    """Collective over ``comm``: raise ``error`` where it happened and a ValueError naming the failed ranks elsewhere.
+
+    For checks of per-rank input made before a constructor's first collective,
+    so a bad value on one rank cannot leave the others waiting in it.
+    """
+    messages = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [rank for rank, message in enumerate(messages) if message is not None]
+    if failed:
+        raise ValueError(f"{what} failed on rank(s) {failed}: {messages[failed[0]]}")
+
+
 # --------------------------------------------------------------------------- call signatures
 
 

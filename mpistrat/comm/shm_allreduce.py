@@ -77,6 +77,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
+from .safety import raise_on_every_rank
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout, pretend_nodes_from_env
 
@@ -136,6 +137,26 @@ def _env_bytes(name: str, default: int | None) -> int | None:
     return parse_bytes(text, name)
 
 
+def _settings(
+    max_bytes: int | None, block_bytes: int | None, chunk_bytes: int | None, sync: str | None
+) -> tuple[int, int, int, str]:
+    """This rank's (max_bytes, block_bytes, chunk_bytes, sync): arguments, else the environment, checked."""
+    max_bytes = int(max_bytes if max_bytes is not None else _env_bytes("MPISTRAT_SHM_MAX_BYTES", _DEFAULT_MAX))
+    block = block_bytes if block_bytes is not None else _env_bytes("MPISTRAT_SHM_BLOCK_BYTES", _DEFAULT_BLOCK)
+    if max_bytes < 0 or block is None or block <= 0:
+        raise ValueError(f"ShmAllreduceBackend: need max_bytes >= 0 and block_bytes > 0, got {max_bytes}, {block}")
+    if chunk_bytes is None:
+        chunk_bytes = _env_bytes("MPISTRAT_SHM_CHUNK_BYTES", 0)
+    if chunk_bytes < 0:
+        raise ValueError(f"ShmAllreduceBackend: need chunk_bytes >= 0 (0: no chunks), got {chunk_bytes}")
+    sync = sync or os.environ.get("MPISTRAT_SHM_SYNC", "").strip().lower() or "auto"
+    if sync == "auto":
+        sync = "counter"  # measured at least as fast as Barrier at every size, 2 and 4 ranks
+    if sync not in ("barrier", "counter"):
+        raise ValueError(f"ShmAllreduceBackend: sync must be 'barrier', 'counter' or 'auto', got {sync!r}")
+    return max_bytes, int(block), int(chunk_bytes), sync
+
+
 def _close_at_exit(ref: "weakref.ref[ShmAllreduceBackend]") -> None:
     backend = ref()
     if backend is not None and exiting_cleanly():
@@ -191,26 +212,25 @@ class ShmAllreduceBackend:
         timeout_seconds: float | None = None,
     ) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
-        if pretend_nodes is None:  # the environment's count, capped for small sub-communicators
-            env = pretend_nodes_from_env()
-            pretend_nodes = None if env is None else min(env, comm.Get_size())
+        error = None
+        try:  # every per-rank check before the first collective, so a bad value on one rank cannot hang the rest
+            if pretend_nodes is None:  # the environment's count, capped for small sub-communicators
+                env = pretend_nodes_from_env()
+                pretend_nodes = None if env is None else min(env, comm.Get_size())
+            if pretend_nodes is not None and pretend_nodes > comm.Get_size():
+                raise ValueError(
+                    f"pretend_nodes={pretend_nodes} is more than the {comm.Get_size()} ranks of the communicator"
+                )
+            self.max_bytes, self.block_bytes, chunk_bytes, self.sync_kind = _settings(
+                max_bytes, block_bytes, chunk_bytes, sync
+            )
+        except ValueError as exc:
+            error = exc
+        raise_on_every_rank(comm, error, "ShmAllreduceBackend")
         self.layout: NodeLayout | None = node_layout(comm, pretend_nodes)
         lay = self.layout
         # Slice owners: local ranks [0, P) of every node, P the smallest node.
         self.owners = lay.comm.allreduce(lay.local_size, op=MPI.MIN)
-        self.max_bytes = int(max_bytes if max_bytes is not None else _env_bytes("MPISTRAT_SHM_MAX_BYTES", _DEFAULT_MAX))
-        block = block_bytes if block_bytes is not None else _env_bytes("MPISTRAT_SHM_BLOCK_BYTES", _DEFAULT_BLOCK)
-        if self.max_bytes < 0 or block is None or block <= 0:
-            raise ValueError(
-                f"ShmAllreduceBackend: need max_bytes >= 0 and block_bytes > 0, got {self.max_bytes}, {block}"
-            )
-        self.block_bytes = int(block)
-        sync = sync or os.environ.get("MPISTRAT_SHM_SYNC", "").strip().lower() or "auto"
-        if sync == "auto":
-            sync = "counter"  # measured at least as fast as Barrier at every size, 2 and 4 ranks
-        if sync not in ("barrier", "counter"):
-            raise ValueError(f"ShmAllreduceBackend: sync must be 'barrier', 'counter' or 'auto', got {sync!r}")
-        self.sync_kind = sync
         # Ranks sharing this machine's cores (pretend nodes share them too).
         machine = lay.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.spin = default_spin(machine.Get_size())
@@ -224,10 +244,6 @@ class ShmAllreduceBackend:
         # synchronisation cost about a scheduler slice and chunks were 2x slower than raw MPI (one pass:
         # 2 synchronisations, 16 MiB in 2 MiB chunks: 16). Worth trying on dedicated nodes.
         # The smallest choice over the ranks, so all cut the same chunks.
-        if chunk_bytes is None:
-            chunk_bytes = _env_bytes("MPISTRAT_SHM_CHUNK_BYTES", 0)
-        if chunk_bytes < 0:
-            raise ValueError(f"ShmAllreduceBackend: need chunk_bytes >= 0 (0: no chunks), got {chunk_bytes}")
         self.chunk_bytes = int(lay.comm.allreduce(int(chunk_bytes), op=MPI.MIN))
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
