@@ -171,9 +171,12 @@ class Rendezvous:
 
 
 class _Step:
-    """One step's outcome: per-replica results and errors, and the count of replicas still running."""
+    """One step's outcome: per-replica results and errors, the count of replicas still running, and the
+    rendezvous its replicas meet at (a replica thread left behind by an interrupt reports to its own step's,
+    never to the one a rebuilt group uses next)."""
 
     def __init__(self, num_local: int):
+        self.rendezvous = Rendezvous(num_local)
         self.results: list[Any] = [None] * num_local
         self.errors: list[BaseException | None] = [None] * num_local
         self.pending = 0
@@ -217,7 +220,6 @@ class ReplicaGroup:
 
     def __init__(self, num_local: int, step_marker: threading.local | None = None):
         self.num_local = num_local
-        self.rendezvous = Rendezvous(num_local)
         self._threads: list[_ReplicaThread] = []
         self._step = _Step(num_local)
         self._lock = threading.Lock()
@@ -233,20 +235,25 @@ class ReplicaGroup:
         """Whether the calling thread is running a replica of a group sharing this group's marker."""
         return getattr(self._marker, "depth", 0) > 0
 
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """Where the replicas of the next (or current) step meet."""
+        return self._step.rendezvous
+
     def _run_one(self, local_id: int, step: _Step, fn: Callable, frames: list, device_scope: Any,
                  call_args: tuple) -> None:
         try:
             step.results[local_id] = self._call_in_replica(fn, frames, device_scope, call_args)
-            self.rendezvous.replica_finished()
+            step.rendezvous.replica_finished()
         except BaseException as exc:
             step.errors[local_id] = exc
-            self.rendezvous.abort(exc)
+            step.rendezvous.abort(exc)
 
     def _wait_for_replicas(self, step: _Step) -> None:
         try:
             step.all_done.wait()
         except BaseException as exc:  # e.g. KeyboardInterrupt in the calling thread
-            self.rendezvous.abort(exc)
+            step.rendezvous.abort(exc)
             if not step.all_done.wait(INTERRUPT_GRACE_SECONDS):
                 self._rebuild()
             raise
@@ -254,7 +261,6 @@ class ReplicaGroup:
     def _rebuild(self) -> None:
         """Leave the interrupted step to its threads; the next step gets fresh threads and state."""
         self.close()
-        self.rendezvous = Rendezvous(self.num_local)
         self._step = _Step(self.num_local)
 
     def run(
@@ -276,7 +282,7 @@ class ReplicaGroup:
             if self.num_local == 1:
                 return [self._call_in_replica(fn, frames_per_replica[0], device_scopes[0], args_per_replica[0])]
             step = self._step
-            self.rendezvous.start_step()
+            step.rendezvous.start_step()
             step.reset(self.num_local - 1)
             if self.num_local > 1:
                 self._ensure_threads()
@@ -289,7 +295,7 @@ class ReplicaGroup:
             errors = [(i, e) for i, e in enumerate(step.errors) if e is not None]
             results = step.results
             step.reset(0)
-            self.rendezvous.end_step()  # every replica has returned: nobody reads it any more
+            step.rendezvous.end_step()  # every replica has returned: nobody reads it any more
             if errors:
                 # Prefer the error that started it over the consequences in other replicas.
                 primary = [(i, e) for i, e in errors if not isinstance(e, ReplicaAbortedError)]

@@ -319,6 +319,38 @@ def test_run_after_keyboard_interrupt_is_clean(tmp_path):
     assert "third [3.0, 3.0]" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_a_replica_left_behind_by_an_interrupt_does_not_disturb_the_next_step(tmp_path):
+    """Replica 1 outlives the interrupt grace, so the group rebuilds; when that old thread finally returns
+    it must report to its own step, not to the new step's rendezvous (where it made a bogus
+    CollectiveOrderError: one replica waiting in all_reduce plus one 'finished' looked stranded)."""
+    script = tmp_path / "left_behind.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading, time
+        import numpy as np, mpistrat as ms
+        from mpistrat import replica_group
+        s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        rid = lambda: ms.get_replica_context().replica_id_in_sync_group
+        late = replica_group.INTERRUPT_GRACE_SECONDS + 0.6
+        def stuck():
+            if rid() == 1:
+                time.sleep(late)  # still running when the caller gives up on it
+            return np.float64(rid())
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            s.run(stuck)
+        except KeyboardInterrupt:
+            pass
+        def step():
+            if rid() == 0:
+                time.sleep(0.8)  # replica 1 waits in all_reduce while the old thread returns
+            return ms.get_replica_context().all_reduce("sum", np.float64(rid() + 1))
+        print("next", [float(x) for x in s.experimental_local_results(s.run(step))])
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "next [3.0, 3.0]" in proc.stdout, proc.stdout + proc.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Reads and reductions hand out the variable's own storage: writing into the result changes
 #    the variable (and de-synchronises a MirroredVariable's copies). TF's numpy() copies
