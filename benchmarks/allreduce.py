@@ -48,7 +48,7 @@ from mpi4py import MPI
 import mpistrat as ms
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.shm_allreduce import ShmAllreduceBackend
+from mpistrat.comm.shm_allreduce import AUTO_CHUNK_BYTES, ShmAllreduceBackend
 
 
 @dataclass
@@ -160,7 +160,8 @@ def busbw(nbytes: int, seconds: float, n: int) -> tuple[float, float]:
 
 
 def describe_backends(rc: RankCommunicator) -> list[str]:
-    return [b.name + (f"(min_bytes={b.min_bytes}, sync={b.sync_kind}, nodes={b.layout.num_nodes})"
+    return [b.name + (f"(min_bytes={b.min_bytes}, chunk_bytes={'auto' if b.chunk_bytes is None else b.chunk_bytes}, "
+                      f"sync={b.sync_kind}, nodes={b.layout.num_nodes})"
                       if isinstance(b, ShmAllreduceBackend) else "")
             for b in rc._host_backends]
 
@@ -262,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     say(f"# strategy's RankCommunicator backends: {describe_backends(rc)}; implementation={args.implementation}")
     say("# time = median over iterations of the slowest rank; busbw = algbw * 2(n-1)/n; ratio = busbw / raw busbw")
     size_table(ctx, names, args, say)
+    shm = next((b for b in rc._host_backends if isinstance(b, ShmAllreduceBackend)), None)
+    if shm is not None and shm.chunk_calibration:
+        nbytes, one_pass, chunked = shm.chunk_calibration[0]
+        say(f"# automatic chunks: {human(nbytes)} in one pass {one_pass * 1e3:.2f} ms, in "
+            f"{human(AUTO_CHUNK_BYTES)} chunks {chunked * 1e3:.2f} ms -> chunk_bytes={shm.chunk_bytes}")
     fused_table(ctx, args, say)
     check_cost(ctx, args, say)
     if window is not None:

@@ -472,6 +472,68 @@ def test_chunk_size_is_agreed_over_the_ranks():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set(monkeypatch):
+    """By default the chunk size is left open, decided (the same on every rank) by a measurement at the
+    first array of at least two chunks, and reused by later backends on the same ranks."""
+    monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
+    monkeypatch.setattr(shm_allreduce, "_CHUNK_DECISIONS", {})
+    comm = MPI.COMM_WORLD
+    long_count = 2 * shm_allreduce.AUTO_CHUNK_BYTES // 4 + 1000  # float32: just over two chunks
+    first = ShmAllreduceBackend(comm, min_bytes=0)
+    try:
+        assert first.chunk_bytes is None and first.chunk_calibration == []
+        short = _data(1000, "float32", comm.rank)
+        first.allreduce_array(short, np.empty_like(short), "sum")
+        assert first.chunk_bytes is None, "short arrays must not start the measurement"
+        x = _data(long_count, "float32", comm.rank)
+        ref = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
+        got = np.empty_like(x)
+        first.allreduce_array(x, got, "sum")
+        assert first.chunk_bytes in (0, shm_allreduce.AUTO_CHUNK_BYTES)
+        assert len(set(comm.allgather(first.chunk_bytes))) == 1, "every rank must cut the same chunks"
+        [(nbytes, one_pass, chunked)] = first.chunk_calibration
+        assert nbytes == min(16 << 20, first.max_bytes) and one_pass > 0 and chunked > 0
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        assert len({g.tobytes() for g in comm.allgather(got)}) == 1
+    finally:
+        first.close()
+    second = ShmAllreduceBackend(comm, min_bytes=0)
+    try:
+        x = _data(long_count, "float32", comm.rank)
+        second.allreduce_array(MPI.IN_PLACE, x, "sum")
+        assert second.chunk_bytes == first.chunk_bytes and second.chunk_calibration == []
+    finally:
+        second.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("setting", ["0", "1M"])
+def test_an_explicit_chunk_size_is_never_measured(monkeypatch, setting):
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", setting)
+    monkeypatch.setattr(shm_allreduce, "_CHUNK_DECISIONS", {})
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, min_bytes=0)
+    try:
+        x = _data(3 * shm_allreduce.AUTO_CHUNK_BYTES // 4, "float32", comm.rank)
+        b.allreduce_array(MPI.IN_PLACE, x, "sum")
+        assert b.chunk_bytes == parse_bytes(setting, "chunk") and b.chunk_calibration == []
+        assert shm_allreduce._CHUNK_DECISIONS == {}
+    finally:
+        b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_rank_explicit_chunk_size_wins_over_auto_elsewhere():
+    comm = MPI.COMM_WORLD
+    b = ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=(256 << 10) if comm.rank == 0 else "auto")
+    try:
+        assert b.chunk_bytes == 256 << 10
+    finally:
+        b.close()
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "bad, message",

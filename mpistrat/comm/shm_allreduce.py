@@ -53,9 +53,13 @@ Environment knobs (constructor arguments override them):
   window takes ``2 x`` this per rank at most (two buckets).
 * ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
 * ``MPISTRAT_SHM_CHUNK_BYTES``: ``allreduce_array`` reduces longer arrays
-  chunk by chunk, two synchronisations per chunk (default 0: off; ``2M`` was
-  up to 1.7x faster at 16-64 MiB on an idle 2-core VM, 2x slower when
-  synchronisation was slow there).
+  chunk by chunk, two synchronisations per chunk, so each chunk stays in
+  cache; ``0`` never; ``auto`` (default): at the first array of at least
+  4 MiB, 2 MiB chunks are measured against one pass on a 16 MiB array (once
+  per process and rank set),
+  and chunks are cut only where they won (on an idle 2-core VM, 2 ranks:
+  16 MiB 1.3-1.4x faster; where every synchronisation costs a scheduler slice,
+  chunks lose and are not used).
 * ``MPISTRAT_SHM_SYNC``: ``barrier``, ``counter`` or ``auto`` (default, which
   is ``counter``: measured as fast or faster than ``Barrier`` at every size,
   at 2 and 4 ranks; only ``counter`` honours ``timeout_seconds``).
@@ -73,6 +77,7 @@ import os
 import re
 import time
 import weakref
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -85,6 +90,7 @@ __all__ = [
     "ShmAllreduceBackend",
     "DIRECT_MAX_BYTES",
     "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
+    "AUTO_CHUNK_BYTES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_OPS",
     "parse_bytes",
@@ -101,7 +107,10 @@ _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum on
 
 _DEFAULT_MAX = 64 << 20
 _DEFAULT_BLOCK = 256 << 10
-_DEFAULT_CHUNK = 2 << 20
+AUTO_CHUNK_BYTES = 2 << 20  # the chunk size ``auto`` measures and uses
+_CHUNK_MEASURE_MAX = 16 << 20  # the longest array the chunk measurement reduces
+_CHUNK_REPS = 5
+_CHUNK_MARGIN = 0.95  # chunks must take at most this fraction of one pass's time to be used
 _INITIAL = 1 << 20
 # allreduce_packed_to on one node: up to this size every rank sums all
 # segments after one synchronisation; above it the reduce-scatter (two
@@ -116,9 +125,10 @@ _CALIBRATION_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
 _MARGIN = 0.8  # the window path must take at most this fraction of raw time to be chosen
-# Calibrated thresholds by (world ranks, layout, sync, max_bytes): one start-up
-# measurement per process for each set of ranks, not one per backend.
+# Calibrated thresholds and chunk sizes by (world ranks, layout, sync, max_bytes):
+# one measurement per process for each set of ranks, not one per backend.
 _THRESHOLDS: dict[tuple, int] = {}
+_CHUNK_DECISIONS: dict[tuple, int] = {}
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -138,23 +148,30 @@ def _env_bytes(name: str, default: int | None) -> int | None:
 
 
 def _settings(
-    max_bytes: int | None, block_bytes: int | None, chunk_bytes: int | None, sync: str | None
-) -> tuple[int, int, int, str]:
-    """This rank's (max_bytes, block_bytes, chunk_bytes, sync): arguments, else the environment, checked."""
+    max_bytes: int | None, block_bytes: int | None, chunk_bytes: int | str | None, sync: str | None
+) -> tuple[int, int, int | None, str]:
+    """This rank's (max_bytes, block_bytes, chunk_bytes, sync): arguments, else the environment, checked.
+
+    ``chunk_bytes`` None (or ``"auto"``) stays None: measured later.
+    """
     max_bytes = int(max_bytes if max_bytes is not None else _env_bytes("MPISTRAT_SHM_MAX_BYTES", _DEFAULT_MAX))
     block = block_bytes if block_bytes is not None else _env_bytes("MPISTRAT_SHM_BLOCK_BYTES", _DEFAULT_BLOCK)
     if max_bytes < 0 or block is None or block <= 0:
         raise ValueError(f"ShmAllreduceBackend: need max_bytes >= 0 and block_bytes > 0, got {max_bytes}, {block}")
-    if chunk_bytes is None:
-        chunk_bytes = _env_bytes("MPISTRAT_SHM_CHUNK_BYTES", 0)
-    if chunk_bytes < 0:
-        raise ValueError(f"ShmAllreduceBackend: need chunk_bytes >= 0 (0: no chunks), got {chunk_bytes}")
+    if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
+        chunk_bytes = None
+    elif chunk_bytes is None:
+        chunk_bytes = _env_bytes("MPISTRAT_SHM_CHUNK_BYTES", None)
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 0):
+        raise ValueError(
+            f"ShmAllreduceBackend: need chunk_bytes >= 0 (0: no chunks) or 'auto', got {chunk_bytes!r}"
+        )
     sync = sync or os.environ.get("MPISTRAT_SHM_SYNC", "").strip().lower() or "auto"
     if sync == "auto":
         sync = "counter"  # measured at least as fast as Barrier at every size, 2 and 4 ranks
     if sync not in ("barrier", "counter"):
         raise ValueError(f"ShmAllreduceBackend: sync must be 'barrier', 'counter' or 'auto', got {sync!r}")
-    return max_bytes, int(block), int(chunk_bytes), sync
+    return max_bytes, int(block), None if chunk_bytes is None else int(chunk_bytes), sync
 
 
 def _close_at_exit(ref: "weakref.ref[ShmAllreduceBackend]") -> None:
@@ -207,7 +224,7 @@ class ShmAllreduceBackend:
         min_bytes: int | None = None,
         max_bytes: int | None = None,
         block_bytes: int | None = None,
-        chunk_bytes: int | None = None,
+        chunk_bytes: int | str | None = None,
         sync: str | None = None,
         timeout_seconds: float | None = None,
     ) -> None:
@@ -239,12 +256,14 @@ class ShmAllreduceBackend:
         direct = DIRECT_MAX_BYTES if self.spin else DIRECT_MAX_BYTES_OVERSUBSCRIBED
         self.direct_max_bytes = direct if lay.num_nodes == 1 and lay.local_size > 1 else -1
         # allreduce_array of a long array, chunk by chunk, so each chunk's copy in, sum and copy out stay
-        # in cache. Off by default: on this project's 2-core VM, 2 ranks, 2 MiB chunks took 16 MiB in 2.2-2.9
-        # instead of 3.6-4.5 ms (64 MiB: 2.5x raw MPI instead of 1.5x) in most runs, but in 1-3 runs of 5 every
+        # in cache. On this project's 2-core VM, 2 ranks, 2 MiB chunks took 16 MiB in 2.2-2.9 instead of
+        # 3.6-4.5 ms (64 MiB: 2.5x raw MPI instead of 1.5x) in most runs, but in some runs every
         # synchronisation cost about a scheduler slice and chunks were 2x slower than raw MPI (one pass:
-        # 2 synchronisations, 16 MiB in 2 MiB chunks: 16). Worth trying on dedicated nodes.
-        # The smallest choice over the ranks, so all cut the same chunks.
-        self.chunk_bytes = int(lay.comm.allreduce(int(chunk_bytes), op=MPI.MIN))
+        # 2 synchronisations, 16 MiB in 2 MiB chunks: 16). So by default (None) it is measured at the first
+        # long array (_chunk_items). The smallest explicit choice over the ranks wins, so all cut the same chunks.
+        choices = [c for c in lay.comm.allgather(chunk_bytes) if c is not None]
+        self.chunk_bytes: int | None = min(choices) if choices else None
+        self.chunk_calibration: list[tuple[int, float, float]] = []  # (bytes, one pass s, chunked s)
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
         self._sync: NodeSync | None = None
@@ -361,12 +380,25 @@ class ShmAllreduceBackend:
         """
         source = (dst if src is MPI.IN_PLACE else src).reshape(-1)
         out = dst.reshape(-1)
-        chunk = self.chunk_bytes // out.dtype.itemsize
+        self._allreduce_chunks(source, out, op, self._chunk_items(out.shape[0], out.dtype))
+
+    def _allreduce_chunks(self, source: np.ndarray, out: np.ndarray, op: str, chunk: int) -> None:
+        """``out = reduce(source)``, ``chunk`` items at a time (0: in one pass)."""
         if 0 < chunk < out.shape[0]:  # the same count and dtype on every rank: the same chunks
             for start in range(0, out.shape[0], chunk):
                 self._allreduce_contiguous(source[start : start + chunk], out[start : start + chunk], op)
             return
         self._allreduce_contiguous(source, out, op)
+
+    def _chunk_items(self, count: int, dtype: np.dtype) -> int:
+        """Items per chunk for an array of ``count`` (0: one pass); the first array of at least two
+        automatic chunks decides ``chunk_bytes`` when it was left to measurement (collective: every
+        rank reduces the same array)."""
+        if self.chunk_bytes is None:
+            if count * dtype.itemsize < 2 * AUTO_CHUNK_BYTES:
+                return 0
+            self.chunk_bytes = self._once_per_rank_set(_CHUNK_DECISIONS, lambda: self._calibrate_chunks(dtype))
+        return self.chunk_bytes // dtype.itemsize
 
     def _allreduce_contiguous(self, source: np.ndarray, out: np.ndarray, op: str) -> None:
         """:meth:`allreduce_array` of one 1-D array or chunk (``source`` may be ``out``)."""
@@ -542,6 +574,10 @@ class ShmAllreduceBackend:
 
     def _measured_threshold(self) -> int:
         """The calibrated ``min_bytes``, measured once per rank set and layout (collective)."""
+        return self._once_per_rank_set(_THRESHOLDS, self._calibrate)
+
+    def _once_per_rank_set(self, cache: dict[tuple, int], measure: Callable[[], int]) -> int:
+        """``measure()``'s agreed result, cached for this set of world ranks and layout (collective)."""
         assert self.layout is not None
         lay = self.layout
         mine, whole = lay.comm.Get_group(), MPI.COMM_WORLD.Get_group()
@@ -549,11 +585,43 @@ class ShmAllreduceBackend:
         mine.Free()
         whole.Free()
         key = (tuple(world), lay.num_nodes, lay.local_size, self.owners, self.sync_kind, self.max_bytes)
-        cached = _THRESHOLDS.get(key)
+        cached = cache.get(key)
         if lay.comm.allreduce(cached is not None, op=MPI.LAND):
             return int(lay.comm.bcast(cached, root=0))
-        _THRESHOLDS[key] = threshold = self._calibrate()
-        return threshold
+        cache[key] = value = measure()
+        return value
+
+    def _calibrate_chunks(self, dtype: np.dtype) -> int:
+        """``AUTO_CHUNK_BYTES`` if reducing a 16 MiB array (``max_bytes`` if less) of ``dtype`` in such
+        chunks beats one pass, else 0 (collective). At 4 MiB two chunks gain little; at 16 MiB, where one
+        pass no longer fits in cache, they gain most where they gain at all.
+
+        The two alternate, each timed after a barrier; a way's time is the
+        median over repetitions of the slowest rank (not a quantile below it:
+        on a machine where synchronisation is sometimes slow, chunks pay for
+        it many times over), decided on rank 0 and broadcast.
+        """
+        assert self.layout is not None
+        comm = self.layout.comm.Dup()
+        try:
+            count = min(_CHUNK_MEASURE_MAX, self.max_bytes) // dtype.itemsize
+            source = np.ones(count, dtype)
+            out = np.empty_like(source)
+            ways = (0, AUTO_CHUNK_BYTES // dtype.itemsize)
+            times = np.zeros((len(ways), _CHUNK_REPS + 1))
+            for rep in range(_CHUNK_REPS + 1):  # rep 0 warms up
+                for i, chunk in enumerate(ways):
+                    comm.Barrier()
+                    t0 = time.perf_counter()
+                    self._allreduce_chunks(source, out, "sum", chunk)
+                    times[i, rep] = time.perf_counter() - t0
+            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+            one_pass, chunked = np.median(times[:, 1:], axis=1)
+            self.chunk_calibration = [(count * dtype.itemsize, float(one_pass), float(chunked))]
+            decided = AUTO_CHUNK_BYTES if chunked <= one_pass * _CHUNK_MARGIN else 0
+            return int(comm.bcast(decided, root=0))
+        finally:
+            comm.Free()
 
     def _calibrate(self) -> int:
         """Smallest measured size from which this path beats raw ``Allreduce`` (collective).
