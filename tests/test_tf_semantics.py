@@ -289,22 +289,35 @@ def test_merge_call_with_different_argument_structures_raises():
 # A KeyboardInterrupt (Ctrl-C in a notebook) during strategy.run leaves the replica group
 #    half-way through a step: the next run returns the interrupted step's replica-1 result and
 #    the one after raises a bogus CollectiveOrderError.
-def test_run_after_keyboard_interrupt_is_clean(tmp_path):
+_INTERRUPT_PROLOGUE = """
+    import os, signal, threading, time
+    import numpy as np, mpistrat as ms
+    s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rid = lambda: ms.get_replica_context().replica_id_in_sync_group
+    def run_interrupted(fn, after):
+        threading.Timer(after, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            s.run(fn)
+        except KeyboardInterrupt:
+            pass
+"""
+
+
+def _run_interrupt_script(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """Run the prologue (a 2-replica MirroredStrategy ``s``, ``rid()``, ``run_interrupted(fn, after)``) plus ``body`` in a fresh Python."""
     script = tmp_path / "interrupt.py"
-    script.write_text(textwrap.dedent("""
-        import os, signal, threading, time
-        import numpy as np, mpistrat as ms
-        s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        rid = lambda: ms.get_replica_context().replica_id_in_sync_group
+    script.write_text(textwrap.dedent(_INTERRUPT_PROLOGUE) + textwrap.dedent(body))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_run_after_keyboard_interrupt_is_clean(tmp_path):
+    proc = _run_interrupt_script(tmp_path, """
         def slow():
             if rid() == 1:
                 time.sleep(1.0)
             return np.float64(rid())
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        try:
-            s.run(slow)
-        except KeyboardInterrupt:
-            pass
+        run_interrupted(slow, 0.3)
         def step2():
             if rid() == 1:
                 time.sleep(0.3)
@@ -312,9 +325,7 @@ def test_run_after_keyboard_interrupt_is_clean(tmp_path):
         print("second", [float(x) for x in s.experimental_local_results(s.run(step2))])
         out = s.run(lambda: ms.get_replica_context().all_reduce("sum", np.float64(rid() + 1)))
         print("third", [float(x) for x in s.experimental_local_results(out)])
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    """)
     assert "second [0.0, 10.0]" in proc.stdout, proc.stdout + proc.stderr
     assert "third [3.0, 3.0]" in proc.stdout, proc.stdout + proc.stderr
 
@@ -323,31 +334,20 @@ def test_a_replica_left_behind_by_an_interrupt_does_not_disturb_the_next_step(tm
     """Replica 1 outlives the interrupt grace, so the group rebuilds; when that old thread finally returns
     it must report to its own step, not to the new step's rendezvous (where it made a bogus
     CollectiveOrderError: one replica waiting in all_reduce plus one 'finished' looked stranded)."""
-    script = tmp_path / "left_behind.py"
-    script.write_text(textwrap.dedent("""
-        import os, signal, threading, time
-        import numpy as np, mpistrat as ms
+    proc = _run_interrupt_script(tmp_path, """
         from mpistrat import replica_group
-        s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        rid = lambda: ms.get_replica_context().replica_id_in_sync_group
         late = replica_group.INTERRUPT_GRACE_SECONDS + 0.6
         def stuck():
             if rid() == 1:
                 time.sleep(late)  # still running when the caller gives up on it
             return np.float64(rid())
-        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        try:
-            s.run(stuck)
-        except KeyboardInterrupt:
-            pass
+        run_interrupted(stuck, 0.2)
         def step():
             if rid() == 0:
                 time.sleep(0.8)  # replica 1 waits in all_reduce while the old thread returns
             return ms.get_replica_context().all_reduce("sum", np.float64(rid() + 1))
         print("next", [float(x) for x in s.experimental_local_results(s.run(step))])
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    """)
     assert "next [3.0, 3.0]" in proc.stdout, proc.stdout + proc.stderr
 
 
