@@ -324,3 +324,28 @@ def test_dropped_sub_communicator_is_released_by_a_collective_point_over_all_ran
         del c
     assert lifetime.release_dropped(comm) == 1 - first
     assert dup == MPI.COMM_NULL and (win is None or win == MPI.WIN_NULL) and lifetime.dropped_count() == 0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunks", ["auto", "2M"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_ranks_with_strided_and_contiguous_arrays_of_one_shape_meet(comm, monkeypatch, chunks, inplace):
+    """The ranks agree on shapes and dtypes, not on memory layout: a rank passing a strided view must
+    take the same collective path as one passing a contiguous array (with chunked reduction, the paths
+    used to differ, and the ranks waited for each other forever)."""
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", chunks)
+    c = RankCommunicator(comm)
+    try:
+        shape = (2048, 1024)  # 8 MiB of float32: long enough for chunks and for the chunk measurement
+        if comm.rank % 2:
+            a = np.full((shape[0], 2 * shape[1]), comm.rank + 1.0, np.float32)[:, ::2]
+            assert not a.flags.c_contiguous
+        else:
+            a = np.full(shape, comm.rank + 1.0, np.float32)
+        [out] = c.allreduce([a], "sum", inplace=inplace)
+        total = comm.size * (comm.size + 1) / 2
+        assert out.shape == shape and np.all(out == total)
+        assert (out is a) == inplace and np.all(a == (total if inplace else comm.rank + 1.0))
+    finally:
+        c.close()

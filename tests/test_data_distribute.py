@@ -323,3 +323,26 @@ def test_wait_ready_with_patience_returns_what_it_has():
         assert list(producer) == [0, 1]
     finally:
         producer.close()
+
+
+@pytest.mark.timeout(30)
+def test_wait_ready_returns_when_the_budget_fills_while_it_waits():
+    """The thread blocks on the byte budget after wait_ready began waiting: wait_ready must notice
+    (it used to check once, then wait forever for an item the thread would never make)."""
+    from mpistrat.data.prefetch import BackgroundProducer, ByteBudget
+
+    def slow_items():
+        for i in range(20):
+            time.sleep(0.05)
+            yield bytes([i]) * 100
+
+    budget = ByteBudget(max_bytes=300, min_items=1, sizeof=len)
+    producer = BackgroundProducer(slow_items, 8, budget=budget)
+    try:
+        t0 = time.monotonic()
+        ready = producer.wait_ready(8)  # 8 would need 800 bytes: the budget stops the thread at 3 items
+        assert ready == 3 and budget.blocked
+        assert time.monotonic() - t0 < 5
+        assert [x[0] for x in producer] == list(range(20))
+    finally:
+        producer.close()

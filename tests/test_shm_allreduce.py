@@ -467,23 +467,24 @@ def test_chunk_size_is_agreed_over_the_ranks():
         assert b.chunk_bytes == 1 << 20  # the smallest: every rank cuts the same chunks
     finally:
         b.close()
-    with pytest.raises(ValueError, match="chunk_bytes >= 0"):
+    with pytest.raises(ValueError, match="chunk_bytes"):
         ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=-1)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set(monkeypatch):
     """By default the chunk size is left open, decided (the same on every rank) by a measurement at the
-    first array of at least two chunks, and reused by later backends on the same ranks."""
+    first array of at least 8 MiB, and reused by later backends on the same ranks."""
     monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
     monkeypatch.setattr(shm_allreduce, "_CHUNK_DECISIONS", {})
     comm = MPI.COMM_WORLD
-    long_count = 2 * shm_allreduce.AUTO_CHUNK_BYTES // 4 + 1000  # float32: just over two chunks
+    long_count = shm_allreduce._CHUNK_MEASURE_MIN // 4 + 1000  # float32: just long enough to decide
     first = ShmAllreduceBackend(comm, min_bytes=0)
     try:
         assert first.chunk_bytes is None and first.chunk_calibration == []
-        short = _data(1000, "float32", comm.rank)
-        first.allreduce_array(short, np.empty_like(short), "sum")
+        for count in (1000, 2 * shm_allreduce.AUTO_CHUNK_BYTES // 4):  # 4 KB, and two chunks' worth
+            short = _data(count, "float32", comm.rank)
+            first.allreduce_array(short, np.empty_like(short), "sum")
         assert first.chunk_bytes is None, "short arrays must not start the measurement"
         x = _data(long_count, "float32", comm.rank)
         ref = x.copy()
@@ -493,7 +494,7 @@ def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set
         assert first.chunk_bytes in (0, shm_allreduce.AUTO_CHUNK_BYTES)
         assert len(set(comm.allgather(first.chunk_bytes))) == 1, "every rank must cut the same chunks"
         [(nbytes, one_pass, chunked)] = first.chunk_calibration
-        assert nbytes == min(16 << 20, first.max_bytes) and one_pass > 0 and chunked > 0
+        assert nbytes == long_count * 4 and one_pass > 0 and chunked > 0  # measured at the deciding size
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
         assert len({g.tobytes() for g in comm.allgather(got)}) == 1
     finally:
@@ -537,15 +538,22 @@ def test_one_rank_explicit_chunk_size_wins_over_auto_elsewhere():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "bad, message",
-    [({"chunk_bytes": -1}, "chunk_bytes >= 0"), ({"max_bytes": -5}, "max_bytes >= 0"), ({"sync": "spin"}, "sync must be")],
+    [
+        ({"chunk_bytes": -1}, "chunk_bytes (0: no chunks, or 'auto') >= 0"),
+        ({"max_bytes": -5}, "max_bytes >= 0"),
+        ({"min_bytes": -1}, "min_bytes >= 0"),
+        ({"block_bytes": "256K"}, "block_bytes >= 1"),
+        ({"chunk_bytes": True}, "chunk_bytes"),
+        ({"sync": "spin"}, "sync must be"),
+    ],
 )
 def test_a_bad_setting_on_one_rank_raises_on_every_rank(bad, message):
     """The last rank alone passes a bad value: no rank may be left waiting in the constructor's collectives."""
     comm = MPI.COMM_WORLD
     last = comm.size - 1
-    kwargs = bad if comm.rank == last else {}
+    kwargs = {"min_bytes": 0, **(bad if comm.rank == last else {})}
     with pytest.raises(ValueError) as info:
-        ShmAllreduceBackend(comm, min_bytes=0, **kwargs)
+        ShmAllreduceBackend(comm, **kwargs)
     if comm.rank == last:
         assert message in str(info.value)
     else:
@@ -558,3 +566,30 @@ def test_a_bad_setting_on_one_rank_raises_on_every_rank(bad, message):
         assert np.all(out == comm.size * (comm.size + 1) / 2)
     finally:
         ok.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(30)
+def test_a_bad_environment_on_one_rank_raises_on_every_rank(monkeypatch):
+    comm = MPI.COMM_WORLD
+    if comm.rank == comm.size - 1:
+        monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "bogus")
+    with pytest.raises(ValueError, match="MPISTRAT_SHM_MIN_BYTES"):
+        ShmAllreduceBackend(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(30)
+def test_settings_that_differ_between_ranks_are_agreed(monkeypatch):
+    """An explicit threshold or size on some ranks applies to all (no rank calibrates alone, no rank
+    takes a path the others do not); different sync kinds cannot be reconciled and raise everywhere."""
+    comm = MPI.COMM_WORLD
+    first = comm.rank == 0
+    b = ShmAllreduceBackend(comm, min_bytes=4096 if first else None, max_bytes=(8 << 20) if first else None)
+    try:
+        assert (b.min_bytes, b.max_bytes) == (4096, 8 << 20)
+        assert b.enabled(4096, np.float32, "sum") and not b.enabled((8 << 20) + 4, np.float32, "sum")
+    finally:
+        b.close()
+    with pytest.raises(ValueError, match="different sync kinds"):
+        ShmAllreduceBackend(comm, min_bytes=0, sync="barrier" if first else "counter")

@@ -378,14 +378,20 @@ class RankCommunicator:
                 if step.kind == _CAI:
                     backend.allreduce_array(MPI.IN_PLACE, a, opname)
                     continue
-                if a.flags.c_contiguous:
-                    if inplace:
-                        backend.allreduce_array(MPI.IN_PLACE, a, opname)
-                    else:
-                        view = step.pool.get()[1][0]
-                        backend.allreduce_array(a, view, opname)
-                        results[b.members[0]] = view
-                    continue
+                # Every rank takes this path whatever its array's memory layout (the ranks agree on shapes
+                # and dtypes, not on strides), so all make the same collective calls: a strided array goes
+                # through a contiguous copy.
+                contiguous = a.flags.c_contiguous
+                if inplace:
+                    flat = a if contiguous else step.xp.ascontiguousarray(a)
+                    backend.allreduce_array(MPI.IN_PLACE, flat, opname)
+                    if not contiguous:
+                        step.xp.copyto(a, flat)
+                else:
+                    view = step.pool.get()[1][0]
+                    backend.allreduce_array(a if contiguous else step.xp.ascontiguousarray(a), view, opname)
+                    results[b.members[0]] = view
+                continue
             xp = step.xp
             buf = backend.pack_buffer(b.count, b.dtype)
             pack(arrays, b, buf, xp)

@@ -55,8 +55,8 @@ Environment knobs (constructor arguments override them):
 * ``MPISTRAT_SHM_CHUNK_BYTES``: ``allreduce_array`` reduces longer arrays
   chunk by chunk, two synchronisations per chunk, so each chunk stays in
   cache; ``0`` never; ``auto`` (default): at the first array of at least
-  4 MiB, 2 MiB chunks are measured against one pass on a 16 MiB array (once
-  per process and rank set),
+  8 MiB, 2 MiB chunks are measured against one pass on that array (at most
+  16 MiB of it; once per process and rank set),
   and chunks are cut only where they won (on an idle 2-core VM, 2 ranks:
   16 MiB 1.3-1.4x faster; where every synchronisation costs a scheduler slice,
   chunks lose and are not used).
@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import time
 import weakref
 from typing import Callable
@@ -83,6 +82,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .safety import raise_on_every_rank
+from .shm_settings import agree_settings, parse_bytes, read_settings
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout, pretend_nodes_from_env
 
@@ -105,9 +105,8 @@ SUPPORTED_DTYPES = frozenset(
 )
 _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum only
 
-_DEFAULT_MAX = 64 << 20
-_DEFAULT_BLOCK = 256 << 10
 AUTO_CHUNK_BYTES = 2 << 20  # the chunk size ``auto`` measures and uses
+_CHUNK_MEASURE_MIN = 8 << 20  # the first array this long decides (at 4 MiB, two chunks told little)
 _CHUNK_MEASURE_MAX = 16 << 20  # the longest array the chunk measurement reduces
 _CHUNK_REPS = 5
 _CHUNK_MARGIN = 0.95  # chunks must take at most this fraction of one pass's time to be used
@@ -129,49 +128,6 @@ _MARGIN = 0.8  # the window path must take at most this fraction of raw time to 
 # one measurement per process for each set of ranks, not one per backend.
 _THRESHOLDS: dict[tuple, int] = {}
 _CHUNK_DECISIONS: dict[tuple, int] = {}
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str, what: str) -> int:
-    """``"4096"``, ``"256K"``, ``"64MiB"``, ``"1G"`` as a byte count."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ValueError(f"{what} must be a byte count such as 4096, 256K or 64M, got {text!r}")
-    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
-
-
-def _env_bytes(name: str, default: int | None) -> int | None:
-    text = os.environ.get(name, "").strip()
-    if not text or text.lower() == "auto":
-        return default
-    return parse_bytes(text, name)
-
-
-def _settings(
-    max_bytes: int | None, block_bytes: int | None, chunk_bytes: int | str | None, sync: str | None
-) -> tuple[int, int, int | None, str]:
-    """This rank's (max_bytes, block_bytes, chunk_bytes, sync): arguments, else the environment, checked.
-
-    ``chunk_bytes`` None (or ``"auto"``) stays None: measured later.
-    """
-    max_bytes = int(max_bytes if max_bytes is not None else _env_bytes("MPISTRAT_SHM_MAX_BYTES", _DEFAULT_MAX))
-    block = block_bytes if block_bytes is not None else _env_bytes("MPISTRAT_SHM_BLOCK_BYTES", _DEFAULT_BLOCK)
-    if max_bytes < 0 or block is None or block <= 0:
-        raise ValueError(f"ShmAllreduceBackend: need max_bytes >= 0 and block_bytes > 0, got {max_bytes}, {block}")
-    if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
-        chunk_bytes = None
-    elif chunk_bytes is None:
-        chunk_bytes = _env_bytes("MPISTRAT_SHM_CHUNK_BYTES", None)
-    if chunk_bytes is not None and (not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 0):
-        raise ValueError(
-            f"ShmAllreduceBackend: need chunk_bytes >= 0 (0: no chunks) or 'auto', got {chunk_bytes!r}"
-        )
-    sync = sync or os.environ.get("MPISTRAT_SHM_SYNC", "").strip().lower() or "auto"
-    if sync == "auto":
-        sync = "counter"  # measured at least as fast as Barrier at every size, 2 and 4 ranks
-    if sync not in ("barrier", "counter"):
-        raise ValueError(f"ShmAllreduceBackend: sync must be 'barrier', 'counter' or 'auto', got {sync!r}")
-    return max_bytes, int(block), None if chunk_bytes is None else int(chunk_bytes), sync
 
 
 def _close_at_exit(ref: "weakref.ref[ShmAllreduceBackend]") -> None:
@@ -230,6 +186,7 @@ class ShmAllreduceBackend:
     ) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         error = None
+        mine = None
         try:  # every per-rank check before the first collective, so a bad value on one rank cannot hang the rest
             if pretend_nodes is None:  # the environment's count, capped for small sub-communicators
                 env = pretend_nodes_from_env()
@@ -238,12 +195,13 @@ class ShmAllreduceBackend:
                 raise ValueError(
                     f"pretend_nodes={pretend_nodes} is more than the {comm.Get_size()} ranks of the communicator"
                 )
-            self.max_bytes, self.block_bytes, chunk_bytes, self.sync_kind = _settings(
-                max_bytes, block_bytes, chunk_bytes, sync
-            )
-        except ValueError as exc:
+            mine = read_settings(max_bytes, block_bytes, chunk_bytes, min_bytes, sync)
+        except (ValueError, TypeError) as exc:
             error = exc
         raise_on_every_rank(comm, error, "ShmAllreduceBackend")
+        # What every rank uses: ranks whose settings differ would take different paths and never meet.
+        agreed = agree_settings(comm.allgather(mine))
+        self.max_bytes, self.block_bytes, self.sync_kind = agreed.max_bytes, agreed.block_bytes, agreed.sync
         self.layout: NodeLayout | None = node_layout(comm, pretend_nodes)
         lay = self.layout
         # Slice owners: local ranks [0, P) of every node, P the smallest node.
@@ -260,9 +218,8 @@ class ShmAllreduceBackend:
         # 3.6-4.5 ms (64 MiB: 2.5x raw MPI instead of 1.5x) in most runs, but in some runs every
         # synchronisation cost about a scheduler slice and chunks were 2x slower than raw MPI (one pass:
         # 2 synchronisations, 16 MiB in 2 MiB chunks: 16). So by default (None) it is measured at the first
-        # long array (_chunk_items). The smallest explicit choice over the ranks wins, so all cut the same chunks.
-        choices = [c for c in lay.comm.allgather(chunk_bytes) if c is not None]
-        self.chunk_bytes: int | None = min(choices) if choices else None
+        # long array (_chunk_items).
+        self.chunk_bytes: int | None = agreed.chunk_bytes
         self.chunk_calibration: list[tuple[int, float, float]] = []  # (bytes, one pass s, chunked s)
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
@@ -274,12 +231,9 @@ class ShmAllreduceBackend:
         self._bucket = 0
         self._pending: tuple[int, np.dtype] | None = None
         self._closed = False
-        if min_bytes is None and os.environ.get("MPISTRAT_SHM_MIN_BYTES", "").strip().lower() == "off":
-            min_bytes = self.max_bytes + 1
-        explicit = min_bytes if min_bytes is not None else _env_bytes("MPISTRAT_SHM_MIN_BYTES", None)
         self.calibration: list[tuple[int, float, float]] = []
-        if explicit is not None:
-            self.min_bytes = int(explicit)
+        if agreed.min_bytes is not None:
+            self.min_bytes = agreed.min_bytes
         elif self.owners < 2:
             self.min_bytes = self.max_bytes + 1  # one rank per node: nothing to share, plain MPI
         else:
@@ -391,13 +345,16 @@ class ShmAllreduceBackend:
         self._allreduce_contiguous(source, out, op)
 
     def _chunk_items(self, count: int, dtype: np.dtype) -> int:
-        """Items per chunk for an array of ``count`` (0: one pass); the first array of at least two
-        automatic chunks decides ``chunk_bytes`` when it was left to measurement (collective: every
-        rank reduces the same array)."""
+        """Items per chunk for an array of ``count`` (0: one pass). When ``chunk_bytes`` was left to
+        measurement, the first array of at least ``_CHUNK_MEASURE_MIN`` bytes decides it (collective:
+        every rank reduces the same array; the communicator sends every rank's single arrays here,
+        whatever their memory layout)."""
         if self.chunk_bytes is None:
-            if count * dtype.itemsize < 2 * AUTO_CHUNK_BYTES:
+            if self._closed or count * dtype.itemsize < _CHUNK_MEASURE_MIN:
                 return 0
-            self.chunk_bytes = self._once_per_rank_set(_CHUNK_DECISIONS, lambda: self._calibrate_chunks(dtype))
+            self.chunk_bytes = self._once_per_rank_set(
+                _CHUNK_DECISIONS, lambda: self._calibrate_chunks(count, dtype)
+            )
         return self.chunk_bytes // dtype.itemsize
 
     def _allreduce_contiguous(self, source: np.ndarray, out: np.ndarray, op: str) -> None:
@@ -591,10 +548,10 @@ class ShmAllreduceBackend:
         cache[key] = value = measure()
         return value
 
-    def _calibrate_chunks(self, dtype: np.dtype) -> int:
-        """``AUTO_CHUNK_BYTES`` if reducing a 16 MiB array (``max_bytes`` if less) of ``dtype`` in such
-        chunks beats one pass, else 0 (collective). At 4 MiB two chunks gain little; at 16 MiB, where one
-        pass no longer fits in cache, they gain most where they gain at all.
+    def _calibrate_chunks(self, count: int, dtype: np.dtype) -> int:
+        """``AUTO_CHUNK_BYTES`` if reducing an array of ``count`` items of ``dtype`` (at most 16 MiB) in
+        such chunks beats one pass, else 0 (collective). It is measured at the size that triggered it, so
+        the window grows no further than that array needs anyway.
 
         The two alternate, each timed after a barrier; a way's time is the
         median over repetitions of the slowest rank (not a quantile below it:
@@ -604,7 +561,7 @@ class ShmAllreduceBackend:
         assert self.layout is not None
         comm = self.layout.comm.Dup()
         try:
-            count = min(_CHUNK_MEASURE_MAX, self.max_bytes) // dtype.itemsize
+            count = min(count, _CHUNK_MEASURE_MAX // dtype.itemsize)
             source = np.ones(count, dtype)
             out = np.empty_like(source)
             ways = (0, AUTO_CHUNK_BYTES // dtype.itemsize)

@@ -168,8 +168,9 @@ class DistributedIterator:
     raise the buffer size, or use 0 (no thread), for input-bound multi-rank GPU
     pipelines. On CPU devices with several workers the queue starts at the buffer
     size and doubles whenever an agreement finds it full, up to
-    ``AGREEMENT_WINDOW`` steps and ``AGREEMENT_BYTES`` beyond the buffer size, so
-    the agreements thin out without a larger buffer. A
+    ``AGREEMENT_WINDOW`` steps, and the thread stops reading ahead while
+    ``AGREEMENT_BYTES`` wait in the queue (it may always hold the buffer's
+    steps), so the agreements thin out without a larger buffer. A
     single worker has nothing to agree on and reads no further ahead than the
     buffer. A rank never promises a step it has not read,
     so iteration ends, and a read error is raised on every rank, at exactly the
@@ -204,8 +205,8 @@ class DistributedIterator:
             # that is always busy (a deep queue filling) holds the GIL whenever this thread wakes from the
             # user's compute, which costs up to the interpreter's switch interval (5 ms) per step. With
             # several workers on CPU devices the depth doubles whenever an agreement finds the queue full, up
-            # to AGREEMENT_WINDOW steps, and the thread holds no more than AGREEMENT_BYTES beyond `buffer`
-            # steps (a byte budget counted step by step), so that agreement is amortised as with host
+            # to AGREEMENT_WINDOW steps, and the thread holds at most AGREEMENT_BYTES in all, or `buffer`
+            # steps if those are more (a byte budget counted step by step), so that agreement is amortised as with host
             # read-ahead. On GPUs it stays at `buffer`: device memory holds at most buffer + 1 steps ahead.
             if self._comm is not None and not any(placer.gpu.values()):
                 self._depth_cap = max(buffer, AGREEMENT_WINDOW)

@@ -211,6 +211,9 @@ class BackgroundProducer:
                     if not self._receive(block=True, deadline=deadline):
                         break
                     continue
+                if self._budget is not None:  # a poll at a time: the thread may block on the budget meanwhile
+                    self._receive(block=True, deadline=time.monotonic() + _POLL)
+                    continue
             self._receive(block=True)
         while self._receive(block=False):  # whatever else is ready, without waiting
             pass

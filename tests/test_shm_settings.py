@@ -1,0 +1,45 @@
+"""Reading and agreeing the shared-memory backend's settings (no MPI needed)."""
+
+import pytest
+
+from mpistrat.comm.shm_settings import NEVER, ShmSettings, agree_settings, read_settings
+
+
+def test_defaults_and_environment(monkeypatch):
+    for name in ("MAX", "BLOCK", "CHUNK", "MIN", "SYNC"):
+        monkeypatch.delenv(f"MPISTRAT_SHM_{name}_BYTES" if name != "SYNC" else "MPISTRAT_SHM_SYNC", raising=False)
+    assert read_settings() == ShmSettings(64 << 20, 256 << 10, None, None, "counter")
+    monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "off")
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "1M")
+    monkeypatch.setenv("MPISTRAT_SHM_MAX_BYTES", "32M")
+    assert read_settings() == ShmSettings(32 << 20, 256 << 10, 1 << 20, NEVER, "counter")
+    # arguments win over the environment; "auto" leaves the chunk size to measurement
+    assert read_settings(max_bytes=4096, chunk_bytes="auto", min_bytes=0, sync="barrier") == ShmSettings(
+        4096, 256 << 10, None, 0, "barrier")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_bytes": -1}, "max_bytes >= 0"),
+    ({"block_bytes": 0}, "block_bytes >= 1"),
+    ({"chunk_bytes": 2.5}, "chunk_bytes"),
+    ({"chunk_bytes": False}, "chunk_bytes"),
+    ({"min_bytes": "64K"}, "min_bytes"),
+    ({"sync": "spin"}, "sync must be"),
+])
+def test_bad_values_name_the_setting(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        read_settings(**kwargs)
+
+
+def test_agreement_takes_the_smallest_given_value():
+    auto = ShmSettings(64 << 20, 256 << 10, None, None, "counter")
+    given = ShmSettings(8 << 20, 128 << 10, 1 << 20, 4096, "counter")
+    assert agree_settings([auto, given, auto]) == given
+    assert agree_settings([auto, auto]) == auto
+    off = ShmSettings(8 << 20, 256 << 10, None, NEVER, "counter")
+    assert agree_settings([off, auto]).min_bytes == (8 << 20) + 1  # "off": above the agreed max_bytes
+
+
+def test_different_sync_kinds_are_refused_naming_the_ranks():
+    with pytest.raises(ValueError, match="rank 0: counter, rank 1: barrier"):
+        agree_settings([ShmSettings(1, 1, None, None, "counter"), ShmSettings(1, 1, None, None, "barrier")])
