@@ -37,7 +37,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         from mpistrat.comm.cluster import default_cluster_resolver  # noqa: PLC0415
         from mpistrat.comm.communicator import RankCommunicator  # noqa: PLC0415
         from mpistrat.comm.options import CommunicationOptions  # noqa: PLC0415
-        from mpistrat.comm.safety import install_abort_on_exception  # noqa: PLC0415
+        from mpistrat.comm.abort import install_abort_on_exception  # noqa: PLC0415
 
         resolver = cluster_resolver if cluster_resolver is not None else default_cluster_resolver()
         comm = getattr(resolver, "comm", None) or MPI.COMM_WORLD

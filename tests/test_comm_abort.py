@@ -10,7 +10,7 @@ import time
 import pytest
 from mpirun import mpich_shm_files
 
-from mpistrat.comm import safety
+from mpistrat.comm import abort
 
 BOUND_SECONDS = 30
 
@@ -117,7 +117,7 @@ def test_nonzero_exit_on_one_rank_aborts_job(tmp_path):
 def test_hook_can_be_disabled(monkeypatch):
     monkeypatch.setenv("MPISTRAT_NO_ABORT_HOOK", "1")
     before = sys.excepthook
-    assert safety.install_abort_on_exception() is False
+    assert abort.install_abort_on_exception() is False
     assert sys.excepthook is before
 
 

@@ -1,21 +1,17 @@
 """Agreement checks and timeouts: errors on every rank naming the ranks, never a hang."""
 
+import gc
 import re
 import time
 
 import numpy as np
 import pytest
 
+from mpistrat.comm import lifetime
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.safety import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    CommunicatorBrokenError,
-    describe_call,
-    fingerprint,
-    format_mismatch,
-)
+from mpistrat.comm.safety import CollectiveMismatchError, CollectiveTimeoutError, CommunicatorBrokenError
+from mpistrat.comm.signatures import describe_call, fingerprint, format_mismatch
 
 
 @pytest.fixture
@@ -162,6 +158,12 @@ def test_close_while_a_peer_is_in_a_collective(comm):
         c.close()  # the communicator is done for everyone: no collective clean-up, no hang
     with pytest.raises(CommunicatorBrokenError):
         c._guard.check(("barrier", (), ()), 1.0)
+    # Dropped broken, on rank 1 without a finished close(): cleaned up locally at once, not left
+    # filed for a collective release the other ranks (which closed it) would never join.
+    filed = lifetime.dropped_count()
+    del c, fn
+    gc.collect()
+    assert lifetime.dropped_count() == filed
 
 
 @pytest.mark.mpi(min_size=2)

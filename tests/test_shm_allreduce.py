@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm import shm_allreduce
+from mpistrat.comm import shm_allreduce, shm_calibration
 from mpistrat.comm.shm_allreduce import ShmAllreduceBackend, parse_bytes
 from mpistrat.comm.topology import node_layout
 
@@ -226,7 +226,7 @@ def test_close_with_a_held_piece_keeps_memory():
 @pytest.mark.mpi(min_size=2)
 def test_calibrated_threshold_agrees_on_all_ranks():
     comm = MPI.COMM_WORLD
-    shm_allreduce._THRESHOLDS.clear()  # measure now, on every rank
+    shm_calibration.THRESHOLDS.clear()  # measure now, on every rank
     b = ShmAllreduceBackend(comm)
     try:
         assert len(set(comm.allgather(b.min_bytes))) == 1
@@ -476,9 +476,9 @@ def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set
     """By default the chunk size is left open, decided (the same on every rank) by a measurement at the
     first array of at least 8 MiB, and reused by later backends on the same ranks."""
     monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
-    monkeypatch.setattr(shm_allreduce, "_CHUNK_DECISIONS", {})
+    monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
     comm = MPI.COMM_WORLD
-    long_count = shm_allreduce._CHUNK_MEASURE_MIN // 4 + 1000  # float32: just long enough to decide
+    long_count = shm_calibration.CHUNK_MEASURE_MIN // 4 + 1000  # float32: just long enough to decide
     first = ShmAllreduceBackend(comm, min_bytes=0)
     try:
         assert first.chunk_bytes is None and first.chunk_calibration == []
@@ -512,14 +512,14 @@ def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set
 @pytest.mark.parametrize("setting", ["0", "1M"])
 def test_an_explicit_chunk_size_is_never_measured(monkeypatch, setting):
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", setting)
-    monkeypatch.setattr(shm_allreduce, "_CHUNK_DECISIONS", {})
+    monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
     comm = MPI.COMM_WORLD
     b = ShmAllreduceBackend(comm, min_bytes=0)
     try:
         x = _data(3 * shm_allreduce.AUTO_CHUNK_BYTES // 4, "float32", comm.rank)
         b.allreduce_array(MPI.IN_PLACE, x, "sum")
         assert b.chunk_bytes == parse_bytes(setting, "chunk") and b.chunk_calibration == []
-        assert shm_allreduce._CHUNK_DECISIONS == {}
+        assert shm_calibration.CHUNK_DECISIONS == {}
     finally:
         b.close()
 

@@ -42,7 +42,8 @@ from .fusion import Bucket, ResultPool, pack, plan_buckets
 from .lifetime import Resources, release_dropped, track
 from .options import CommunicationOptions
 from .. import timeline
-from .safety import AgreementGuard, CallKey, CollectiveError, fingerprint
+from .safety import AgreementGuard, CollectiveError
+from .signatures import CallKey, fingerprint
 
 __all__ = ["RankCommunicator", "normalize_op"]
 

@@ -88,8 +88,12 @@ class Resources:
 
 
 def _file_dropped(resources: Resources) -> None:
-    if not resources.released:
-        _DROPPED.append(resources)
+    if resources.released:
+        return
+    if resources.guard is not None and resources.guard.broken is not None:
+        resources.release()  # broken: only local clean-up, which needs no peers (and they may never file it)
+        return
+    _DROPPED.append(resources)
 
 
 def track(owner: object, resources: Resources) -> weakref.finalize:

@@ -48,27 +48,24 @@ The data transfer after a passed check uses blocking MPI calls: everyone has
 arrived, so it can only hang if a rank dies in between (the launcher then
 ends the job).
 
-:func:`install_abort_on_exception` makes an uncaught exception on any rank
-print its traceback (prefixed with the rank) and end the whole job with
-``MPI_Abort``; ``python -m mpistrat.run script.py`` runs a script with it.
+Ending the whole job on an uncaught exception is :mod:`mpistrat.comm.abort`.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import math
 import os
 import sys
 import threading
 import time
-import traceback
 import weakref
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
+from .signatures import CallKey, describe_call, fingerprint, format_mismatch, format_ranks
 from .stall import STALL_SHUTDOWN_ENV, format_stall, report_stall, stall_settings
 
 __all__ = [
@@ -78,30 +75,16 @@ __all__ = [
     "CommunicatorBrokenError",
     "PeerExitedError",
     "AgreementGuard",
-    "CallKey",
-    "call_key",
-    "describe_call",
-    "fingerprint",
-    "install_abort_on_exception",
-    "abort_hook_installed",
-    "abort_world",
-    "unlink_mpi_shared_memory_files",
     "GRACE_ENV",
-    "NO_ABORT_HOOK_ENV",
 ]
 
 GRACE_ENV = "MPISTRAT_TIMEOUT_GRACE_SECONDS"
-NO_ABORT_HOOK_ENV = "MPISTRAT_NO_ABORT_HOOK"
 
 _SPIN_SECONDS = 2e-4
 _YIELD_SECONDS = 0.05
 _MAX_SLEEP = 1e-3
 _TAG_QUERY, _TAG_REPLY, _TAG_ABANDON, _TAG_RESOLVED, _TAG_EXITED = 1, 2, 3, 4, 5
 
-# A call signature: (kind, params, arrays); params is a tuple of (name, value)
-# pairs, arrays a tuple of (shape, dtype string). Plain tuples: hashable,
-# picklable and with a deterministic repr (the fingerprint hashes the repr).
-CallKey = tuple
 
 
 class CollectiveError(RuntimeError):
@@ -145,117 +128,22 @@ class PeerExitedError(CollectiveError):
         self.exited_ranks = list(exited_ranks)
 
 
-def raise_on_every_rank(comm: Any, error: BaseException | None, what: str) -> None:
-    """Collective over ``comm``: raise ``error`` where it happened and a ValueError naming the failed ranks elsewhere.
+def allgather_checked(comm: Any, value: Any, error: BaseException | None, what: str) -> list:
+    """Collective over ``comm``: every rank's ``value``, in rank order, unless a rank had an ``error``.
 
-    For checks of per-rank input made before a constructor's first collective,
-    so a bad value on one rank cannot leave the others waiting in it.
+    Then ``error`` is raised where it happened and a ValueError naming the
+    failed ranks everywhere else. For per-rank input checked before a
+    constructor's first collective, so a bad value on one rank cannot leave the
+    others waiting in it; one collective both reports the errors and shares the
+    values.
     """
-    messages = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
+    gathered = comm.allgather((None, value) if error is None else (f"{type(error).__name__}: {error}", None))
     if error is not None:
         raise error
-    failed = [rank for rank, message in enumerate(messages) if message is not None]
+    failed = [rank for rank, (message, _) in enumerate(gathered) if message is not None]
     if failed:
-        raise ValueError(f"{what} failed on rank(s) {failed}: {messages[failed[0]]}")
-
-
-# --------------------------------------------------------------------------- call signatures
-
-
-def call_key(kind: str, params: tuple = (), arrays: tuple = ()) -> CallKey:
-    """Build a call signature ``(kind, params, arrays)``."""
-    return (kind, params, arrays)
-
-
-_FP_CACHE: dict = {}
-_FP_CACHE_MAX = 4096
-
-
-def fingerprint(key: CallKey) -> int:
-    """A 62-bit hash of a call signature, the same on every rank."""
-    h = _FP_CACHE.get(key)
-    if h is None:
-        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-        h = int.from_bytes(digest, "little", signed=True) >> 2
-        if len(_FP_CACHE) >= _FP_CACHE_MAX:
-            _FP_CACHE.clear()
-        _FP_CACHE[key] = h
-    return h
-
-
-def _dtype_name(code: str) -> str:
-    try:
-        return np.dtype(code).name
-    except TypeError:
-        return str(code)
-
-
-def _format_array(entry: tuple) -> str:
-    # (shape, dtype string) for host arrays, plus a kind name for device ones.
-    text = f"{tuple(entry[0])}, {_dtype_name(entry[1])}"
-    return text + (f", {entry[2]}" if len(entry) > 2 else "")
-
-
-def _format_arrays(arrays: tuple, focus: int | None = None, limit: int = 6) -> str:
-    if len(arrays) <= limit:
-        return "[" + "; ".join(_format_array(a) for a in arrays) + "]"
-    if focus is None or focus >= len(arrays):
-        shown = "; ".join(_format_array(a) for a in arrays[:3])
-        return f"{len(arrays)} arrays [{shown}; ...]"
-    return f"{len(arrays)} arrays, #{focus}: [{_format_array(arrays[focus])}]"
-
-
-def describe_call(key: CallKey, focus: int | None = None) -> str:
-    """A short human description of a call signature."""
-    kind, params, arrays = key
-    text = kind
-    if params:
-        text += "(" + ", ".join(f"{k}={v}" for k, v in params) + ")"
-    if arrays:
-        text += " " + _format_arrays(arrays, focus)
-    return text
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _group(values: Sequence[Any]) -> list[tuple[Any, list[int]]]:
-    groups: dict = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(value, []).append(rank)
-    return sorted(groups.items(), key=lambda item: item[1][0])
-
-
-def format_mismatch(keys: Sequence[CallKey], seq: int) -> str:
-    """The error message for ranks that sent different call signatures."""
-    kinds = {k[0] for k in keys}
-    where = f"in collective #{seq}"
-    if len(kinds) > 1:
-        parts = [f"{_ranks(r)} called {describe_call(k)}" for k, r in _group(keys)]
-        return f"Mismatched collectives {where}: " + "; ".join(parts)
-    kind = keys[0][0]
-    params = {k[1] for k in keys}
-    if len(params) > 1:
-        parts = [f"{_ranks(r)} sent {', '.join(f'{n}={v}' for n, v in p) or 'no parameters'}" for p, r in _group([k[1] for k in keys])]
-        names = sorted({n for p in params for n, _ in p if len({dict(q).get(n) for q in params}) > 1})
-        what = "/".join(names) if names else "parameters"
-        return f"Mismatched {kind} {what} {where}: " + "; ".join(parts)
-    arrays = [k[2] for k in keys]
-    counts = {len(a) for a in arrays}
-    if len(counts) > 1:
-        parts = [f"{_ranks(r)} sent {n} array{'' if n == 1 else 's'}" for n, r in _group([len(a) for a in arrays])]
-        return f"Mismatched {kind} array counts {where}: " + "; ".join(parts)
-    focus = next(i for i in range(len(arrays[0])) if len({a[i] for a in arrays}) > 1)
-    dtypes_differ = len({a[focus][1] for a in arrays}) > 1
-    shapes_differ = len({a[focus][0] for a in arrays}) > 1
-    if dtypes_differ or shapes_differ:
-        what = "shapes and dtypes" if dtypes_differ and shapes_differ else ("dtypes" if dtypes_differ else "shapes")
-    else:
-        what = "array kinds (host/device)"
-    parts = [f"{_ranks(r)} sent {_format_arrays(a, focus)}" for a, r in _group(arrays)]
-    return f"Mismatched {kind} {what} {where}: " + "; ".join(parts)
+        raise ValueError(f"{what} failed on rank(s) {failed}: {gathered[failed[0]][0]}")
+    return [v for _, v in gathered]
 
 
 # --------------------------------------------------------------------------- the guard
@@ -535,15 +423,15 @@ class AgreementGuard:
         limit = self._limit(timeout)
         parts = [
             f"Collective #{self.seq} ({describe_call(key)}) timed out on rank {self.rank} "
-            f"after {waited:.1f} s ({limit}): {_ranks(missing)} never arrived"
+            f"after {waited:.1f} s ({limit}): {format_ranks(missing)} never arrived"
         ]
         if silent:
             parts.append(
-                f"{_ranks(silent)} did not answer: busy outside mpistrat collectives "
+                f"{format_ranks(silent)} did not answer: busy outside mpistrat collectives "
                 "(computing, blocked in another MPI call) or dead"
             )
         parts.extend(elsewhere)
-        parts.append(f"present (waiting or timed out too): {_ranks(present)}")
+        parts.append(f"present (waiting or timed out too): {format_ranks(present)}")
         message = "; ".join(parts) + "."
         for r in others:
             self._sends.append(self._query.isend((self.seq, self.rank, limit), dest=r, tag=_TAG_ABANDON))
@@ -566,7 +454,7 @@ class AgreementGuard:
         how = "; ".join(f"rank {r} {self._exited[r][1]} after its collective #{self._exited[r][0]}" for r in gone)
         message = (
             f"Collective #{self.seq} ({describe_call(key)}) can never complete on rank {self.rank}: "
-            f"{_ranks(gone)} exited without joining it ({how}). Every rank must make the same collective "
+            f"{format_ranks(gone)} exited without joining it ({how}). Every rank must make the same collective "
             "calls in the same order: did a rank run fewer steps (uneven data, a loop that ended early)? "
             "A distributed dataset ends on every rank at the same step."
         )
@@ -593,7 +481,7 @@ class AgreementGuard:
         if givers:
             message = (
                 f"Collective #{self.seq} ({describe_call(key)}) was abandoned while rank {self.rank} waited: "
-                f"{_ranks(givers)} gave up after {their_limit}."
+                f"{format_ranks(givers)} gave up after {their_limit}."
             )
             self.broken = f"a collective of this communicator timed out earlier ({message})"
             self.abandoned_seq = self.seq
@@ -657,9 +545,9 @@ class AgreementGuard:
         if givers or pending:
             parts = []
             if givers:
-                parts.append(f"{_ranks(givers)} gave up waiting after {their_limit}")
+                parts.append(f"{format_ranks(givers)} gave up waiting after {their_limit}")
             if pending:
-                parts.append(f"{_ranks(sorted(pending))} timed out and sent no verdict")
+                parts.append(f"{format_ranks(sorted(pending))} timed out and sent no verdict")
             message = (
                 f"Collective #{self.seq} ({describe_call(key)}) was abandoned before rank {self.rank} "
                 f"arrived: " + "; ".join(parts) + "."
@@ -691,107 +579,3 @@ def _announce_exit() -> None:
 # Before the atexit hooks (threading's exit hooks run first), some of which free
 # shared-memory windows collectively and would block while peers wait.
 getattr(threading, "_register_atexit", atexit.register)(_announce_exit)
-
-
-# --------------------------------------------------------------------------- abort on exception
-
-_HOOK_LOCK = threading.Lock()
-_HOOK_INSTALLED = False
-
-
-def abort_hook_installed() -> bool:
-    """Whether :func:`install_abort_on_exception` has installed its hooks."""
-    return _HOOK_INSTALLED
-
-
-def _world_rank_size() -> tuple[int, int]:
-    if not MPI.Is_initialized() or MPI.Is_finalized():
-        return 0, 1
-    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-
-
-def _report_and_abort(exc_type: type, exc: BaseException | None, tb: Any, where: str = "") -> bool:
-    """Print the traceback with a rank prefix and abort; False when size 1."""
-    rank, size = _world_rank_size()
-    if size <= 1:
-        return False
-    lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
-    prefix = f"[rank {rank}] "
-    head = f"{prefix}Uncaught exception{where}; aborting all {size} ranks (MPI_Abort).\n"
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 - stdout may be closed
-        pass
-    sys.stderr.write(head + "".join(prefix + line + "\n" for line in lines))
-    sys.stderr.flush()
-    abort_world(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
-    return True
-
-
-def unlink_mpi_shared_memory_files() -> list[str]:
-    """Unlink the ``/dev/shm`` files this process has mapped for MPICH's shared memory; return them.
-
-    MPICH removes them at ``MPI_Finalize`` but not at ``MPI_Abort``, so every
-    aborted job would leave a few MiB in ``/dev/shm`` of each node (seen here: one
-    file per aborted job). Unlinking is safe while the job still runs: mapped
-    memory stays valid for every process that has it; only new attachments by
-    name would fail, and an aborting job makes none.
-    """
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_shm_" in line}
-    except (OSError, IndexError):
-        return []
-    removed = []
-    for path in sorted(paths):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:  # another rank was first
-            pass
-    return removed
-
-
-def abort_world(code: int) -> None:
-    """``MPI.COMM_WORLD.Abort(code)`` after a short pause, so the launcher can
-    forward what this rank just wrote before it kills the job; MPICH's shared
-    memory files are unlinked first (:func:`unlink_mpi_shared_memory_files`)."""
-    unlink_mpi_shared_memory_files()
-    time.sleep(0.2)
-    MPI.COMM_WORLD.Abort(code)
-
-
-def install_abort_on_exception() -> bool:
-    """Make an uncaught exception on any rank end the whole MPI job.
-
-    Installs ``sys.excepthook`` and ``threading.excepthook`` hooks that print
-    the traceback, each line prefixed with ``[rank R]``, and call
-    ``MPI.COMM_WORLD.Abort(1)`` when the world has more than one rank (with
-    one rank the previous hooks run). Idempotent. ``MPISTRAT_NO_ABORT_HOOK=1``
-    disables it (returns False).
-    """
-    global _HOOK_INSTALLED
-    if os.environ.get(NO_ABORT_HOOK_ENV, "").strip() == "1":
-        return False
-    with _HOOK_LOCK:
-        if _HOOK_INSTALLED:
-            return True
-        previous_sys = sys.excepthook
-        previous_thread = threading.excepthook
-
-        def excepthook(exc_type, exc, tb):  # noqa: ANN001
-            if not _report_and_abort(exc_type, exc, tb):
-                previous_sys(exc_type, exc, tb)
-
-        def thread_excepthook(args):  # noqa: ANN001
-            if args.exc_type is SystemExit:
-                previous_thread(args)
-                return
-            name = getattr(args.thread, "name", "?")
-            if not _report_and_abort(args.exc_type, args.exc_value, args.exc_traceback, f" in thread {name!r}"):
-                previous_thread(args)
-
-        sys.excepthook = excepthook
-        threading.excepthook = thread_excepthook
-        _HOOK_INSTALLED = True
-        return True

@@ -40,9 +40,10 @@ to the next power of two, at most ``max_bytes`` per bucket) inside
 the caller splits them (``bytes_per_pack``) or uses plain MPI.
 
 Path choice: ``enabled(nbytes, ...)`` is True for ``min_bytes <= nbytes <=
-max_bytes``. ``min_bytes`` is measured at start-up (raw ``Allreduce`` against
-this path at 16 KiB..4 MiB; the smallest size from which this path wins at
-every larger measured size, decided on rank 0 and broadcast), unless given.
+max_bytes``. ``min_bytes`` is measured at start-up (``shm_calibration``: raw
+``Allreduce`` against this path at 16 KiB..4 MiB; the smallest size from which
+this path wins at every larger measured size, decided on rank 0 and
+broadcast), unless given.
 
 Environment knobs (constructor arguments override them):
 
@@ -76,15 +77,16 @@ import atexit
 import os
 import time
 import weakref
-from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from .safety import raise_on_every_rank
+from . import shm_calibration
+from .safety import allgather_checked
+from .shm_calibration import AUTO_CHUNK_BYTES
 from .shm_settings import agree_settings, parse_bytes, read_settings
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
-from .topology import NodeLayout, node_layout, pretend_nodes_from_env
+from .topology import NodeLayout, node_layout, resolve_pretend_nodes
 
 __all__ = [
     "ShmAllreduceBackend",
@@ -105,11 +107,6 @@ SUPPORTED_DTYPES = frozenset(
 )
 _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum only
 
-AUTO_CHUNK_BYTES = 2 << 20  # the chunk size ``auto`` measures and uses
-_CHUNK_MEASURE_MIN = 8 << 20  # the first array this long decides (at 4 MiB, two chunks told little)
-_CHUNK_MEASURE_MAX = 16 << 20  # the longest array the chunk measurement reduces
-_CHUNK_REPS = 5
-_CHUNK_MARGIN = 0.95  # chunks must take at most this fraction of one pass's time to be used
 _INITIAL = 1 << 20
 # allreduce_packed_to on one node: up to this size every rank sums all
 # segments after one synchronisation; above it the reduce-scatter (two
@@ -120,14 +117,8 @@ _INITIAL = 1 << 20
 # measured one synchronisation 5-10% faster from 4 KiB to 1 MiB.
 DIRECT_MAX_BYTES = 64 << 10
 DIRECT_MAX_BYTES_OVERSUBSCRIBED = 512 << 10
-_CALIBRATION_SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
-_MARGIN = 0.8  # the window path must take at most this fraction of raw time to be chosen
-# Calibrated thresholds and chunk sizes by (world ranks, layout, sync, max_bytes):
-# one measurement per process for each set of ranks, not one per backend.
-_THRESHOLDS: dict[tuple, int] = {}
-_CHUNK_DECISIONS: dict[tuple, int] = {}
 
 
 def _close_at_exit(ref: "weakref.ref[ShmAllreduceBackend]") -> None:
@@ -188,19 +179,12 @@ class ShmAllreduceBackend:
         error = None
         mine = None
         try:  # every per-rank check before the first collective, so a bad value on one rank cannot hang the rest
-            if pretend_nodes is None:  # the environment's count, capped for small sub-communicators
-                env = pretend_nodes_from_env()
-                pretend_nodes = None if env is None else min(env, comm.Get_size())
-            if pretend_nodes is not None and pretend_nodes > comm.Get_size():
-                raise ValueError(
-                    f"pretend_nodes={pretend_nodes} is more than the {comm.Get_size()} ranks of the communicator"
-                )
+            pretend_nodes = resolve_pretend_nodes(comm.Get_size(), pretend_nodes)
             mine = read_settings(max_bytes, block_bytes, chunk_bytes, min_bytes, sync)
         except (ValueError, TypeError) as exc:
             error = exc
-        raise_on_every_rank(comm, error, "ShmAllreduceBackend")
         # What every rank uses: ranks whose settings differ would take different paths and never meet.
-        agreed = agree_settings(comm.allgather(mine))
+        agreed = agree_settings(allgather_checked(comm, mine, error, "ShmAllreduceBackend"))
         self.max_bytes, self.block_bytes, self.sync_kind = agreed.max_bytes, agreed.block_bytes, agreed.sync
         self.layout: NodeLayout | None = node_layout(comm, pretend_nodes)
         lay = self.layout
@@ -237,7 +221,7 @@ class ShmAllreduceBackend:
         elif self.owners < 2:
             self.min_bytes = self.max_bytes + 1  # one rank per node: nothing to share, plain MPI
         else:
-            self.min_bytes = self._measured_threshold()
+            self.min_bytes = shm_calibration.measure_threshold(self)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- protocol -----------------------------------------------------------
@@ -334,10 +318,10 @@ class ShmAllreduceBackend:
         """
         source = (dst if src is MPI.IN_PLACE else src).reshape(-1)
         out = dst.reshape(-1)
-        self._allreduce_chunks(source, out, op, self._chunk_items(out.shape[0], out.dtype))
+        self.reduce_in_chunks(source, out, op, self._chunk_items(out.shape[0], out.dtype))
 
-    def _allreduce_chunks(self, source: np.ndarray, out: np.ndarray, op: str, chunk: int) -> None:
-        """``out = reduce(source)``, ``chunk`` items at a time (0: in one pass)."""
+    def reduce_in_chunks(self, source: np.ndarray, out: np.ndarray, op: str, chunk: int) -> None:
+        """``out = reduce(source)`` of 1-D arrays, ``chunk`` items at a time (0: in one pass; collective)."""
         if 0 < chunk < out.shape[0]:  # the same count and dtype on every rank: the same chunks
             for start in range(0, out.shape[0], chunk):
                 self._allreduce_contiguous(source[start : start + chunk], out[start : start + chunk], op)
@@ -346,15 +330,13 @@ class ShmAllreduceBackend:
 
     def _chunk_items(self, count: int, dtype: np.dtype) -> int:
         """Items per chunk for an array of ``count`` (0: one pass). When ``chunk_bytes`` was left to
-        measurement, the first array of at least ``_CHUNK_MEASURE_MIN`` bytes decides it (collective:
+        measurement, the first array of at least ``CHUNK_MEASURE_MIN`` bytes decides it (collective:
         every rank reduces the same array; the communicator sends every rank's single arrays here,
         whatever their memory layout)."""
         if self.chunk_bytes is None:
-            if self._closed or count * dtype.itemsize < _CHUNK_MEASURE_MIN:
+            if self._closed or count * dtype.itemsize < shm_calibration.CHUNK_MEASURE_MIN:
                 return 0
-            self.chunk_bytes = self._once_per_rank_set(
-                _CHUNK_DECISIONS, lambda: self._calibrate_chunks(count, dtype)
-            )
+            self.chunk_bytes = shm_calibration.measure_chunks(self, count, dtype)
         return self.chunk_bytes // dtype.itemsize
 
     def _allreduce_contiguous(self, source: np.ndarray, out: np.ndarray, op: str) -> None:
@@ -528,94 +510,3 @@ class ShmAllreduceBackend:
             self._plans.clear()
         plan = self._plans[key] = _Plan(pieces, blocks, cross)
         return plan
-
-    def _measured_threshold(self) -> int:
-        """The calibrated ``min_bytes``, measured once per rank set and layout (collective)."""
-        return self._once_per_rank_set(_THRESHOLDS, self._calibrate)
-
-    def _once_per_rank_set(self, cache: dict[tuple, int], measure: Callable[[], int]) -> int:
-        """``measure()``'s agreed result, cached for this set of world ranks and layout (collective)."""
-        assert self.layout is not None
-        lay = self.layout
-        mine, whole = lay.comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        world = mine.Translate_ranks(list(range(lay.comm.Get_size())), whole)
-        mine.Free()
-        whole.Free()
-        key = (tuple(world), lay.num_nodes, lay.local_size, self.owners, self.sync_kind, self.max_bytes)
-        cached = cache.get(key)
-        if lay.comm.allreduce(cached is not None, op=MPI.LAND):
-            return int(lay.comm.bcast(cached, root=0))
-        cache[key] = value = measure()
-        return value
-
-    def _calibrate_chunks(self, count: int, dtype: np.dtype) -> int:
-        """``AUTO_CHUNK_BYTES`` if reducing an array of ``count`` items of ``dtype`` (at most 16 MiB) in
-        such chunks beats one pass, else 0 (collective). It is measured at the size that triggered it, so
-        the window grows no further than that array needs anyway.
-
-        The two alternate, each timed after a barrier; a way's time is the
-        median over repetitions of the slowest rank (not a quantile below it:
-        on a machine where synchronisation is sometimes slow, chunks pay for
-        it many times over), decided on rank 0 and broadcast.
-        """
-        assert self.layout is not None
-        comm = self.layout.comm.Dup()
-        try:
-            count = min(count, _CHUNK_MEASURE_MAX // dtype.itemsize)
-            source = np.ones(count, dtype)
-            out = np.empty_like(source)
-            ways = (0, AUTO_CHUNK_BYTES // dtype.itemsize)
-            times = np.zeros((len(ways), _CHUNK_REPS + 1))
-            for rep in range(_CHUNK_REPS + 1):  # rep 0 warms up
-                for i, chunk in enumerate(ways):
-                    comm.Barrier()
-                    t0 = time.perf_counter()
-                    self._allreduce_chunks(source, out, "sum", chunk)
-                    times[i, rep] = time.perf_counter() - t0
-            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-            one_pass, chunked = np.median(times[:, 1:], axis=1)
-            self.chunk_calibration = [(count * dtype.itemsize, float(one_pass), float(chunked))]
-            decided = AUTO_CHUNK_BYTES if chunked <= one_pass * _CHUNK_MARGIN else 0
-            return int(comm.bcast(decided, root=0))
-        finally:
-            comm.Free()
-
-    def _calibrate(self) -> int:
-        """Smallest measured size from which this path beats raw ``Allreduce`` (collective).
-
-        Raw and window calls alternate, each timed after a barrier; a path's
-        time is the lower quartile over repetitions of the slowest rank, and the
-        window path must win by ``_MARGIN`` at that size and every larger one.
-        """
-        assert self.layout is not None
-        comm = self.layout.comm.Dup()
-        try:
-            results = []
-            for nbytes in (n for n in _CALIBRATION_SIZES if n <= self.max_bytes):
-                count = nbytes // 4
-                reps = 31 if nbytes <= (64 << 10) else 9 if nbytes <= (1 << 20) else 4
-                private = np.ones(count, np.float32)
-                times = np.zeros((2, reps + 1))
-                for rep in range(reps + 1):  # rep 0 warms up
-                    comm.Barrier()
-                    t0 = time.perf_counter()
-                    comm.Allreduce(MPI.IN_PLACE, private, op=MPI.SUM)
-                    times[0, rep] = time.perf_counter() - t0
-                    self.pack_buffer(count, np.float32)
-                    comm.Barrier()
-                    t0 = time.perf_counter()
-                    self.allreduce_packed(count, np.float32, "sum")
-                    times[1, rep] = time.perf_counter() - t0
-                comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-                # Lower quartile: robust to other processes stealing the cores.
-                raw, shm = np.percentile(times[:, 1:], 25, axis=1)
-                results.append((nbytes, float(raw), float(shm)))
-            self.calibration = results
-            threshold = self.max_bytes + 1
-            for nbytes, raw, shm in reversed(results):
-                if shm >= raw * _MARGIN:
-                    break
-                threshold = nbytes
-            return int(comm.bcast(threshold, root=0))
-        finally:
-            comm.Free()

@@ -63,6 +63,17 @@ def pretend_nodes_from_env() -> int | None:
     return value
 
 
+def resolve_pretend_nodes(size: int, pretend_nodes: int | None) -> int | None:
+    """The pretend node count for a communicator of ``size`` ranks (no MPI call): ``pretend_nodes``,
+    else ``MPISTRAT_PRETEND_NODES`` capped at ``size``; ValueError for an explicit count above ``size``."""
+    if pretend_nodes is None:
+        env = pretend_nodes_from_env()
+        return None if env is None else min(env, size)  # the env applies to sub-communicators too
+    if pretend_nodes > size:
+        raise ValueError(f"pretend_nodes={pretend_nodes} is more than the {size} ranks of the communicator")
+    return pretend_nodes
+
+
 def node_layout(comm: MPI.Comm | None = None, pretend_nodes: int | None = None) -> NodeLayout:
     """Split ``comm`` into nodes (collective over ``comm``).
 
@@ -72,13 +83,8 @@ def node_layout(comm: MPI.Comm | None = None, pretend_nodes: int | None = None) 
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     rank, size = comm.Get_rank(), comm.Get_size()
-    if pretend_nodes is None:
-        pretend_nodes = pretend_nodes_from_env()
-        if pretend_nodes is not None:
-            pretend_nodes = min(pretend_nodes, size)  # the env applies to sub-communicators too
+    pretend_nodes = resolve_pretend_nodes(size, pretend_nodes)
     if pretend_nodes is not None:
-        if pretend_nodes > size:
-            raise ValueError(f"pretend_nodes={pretend_nodes} is more than the {size} ranks of the communicator")
         color = rank * pretend_nodes // size
         node_comm = comm.Split(color=color, key=rank)
     else:

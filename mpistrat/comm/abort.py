@@ -1,0 +1,130 @@
+"""Ending the whole MPI job when one rank fails: abort-on-exception hooks and a clean ``MPI_Abort``.
+
+:func:`install_abort_on_exception` makes an uncaught exception on any rank
+print its traceback (prefixed with the rank) and end the whole job with
+``MPI_Abort``; ``python -m mpistrat.run script.py`` runs a script with it.
+:func:`abort_world` first unlinks MPICH's shared-memory files, which MPICH
+removes only at ``MPI_Finalize``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from mpi4py import MPI
+
+__all__ = [
+    "install_abort_on_exception",
+    "abort_hook_installed",
+    "abort_world",
+    "unlink_mpi_shared_memory_files",
+    "NO_ABORT_HOOK_ENV",
+]
+
+NO_ABORT_HOOK_ENV = "MPISTRAT_NO_ABORT_HOOK"
+
+_HOOK_LOCK = threading.Lock()
+_HOOK_INSTALLED = False
+
+
+def abort_hook_installed() -> bool:
+    """Whether :func:`install_abort_on_exception` has installed its hooks."""
+    return _HOOK_INSTALLED
+
+
+def _world_rank_size() -> tuple[int, int]:
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return 0, 1
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _report_and_abort(exc_type: type, exc: BaseException | None, tb: Any, where: str = "") -> bool:
+    """Print the traceback with a rank prefix and abort; False when size 1."""
+    rank, size = _world_rank_size()
+    if size <= 1:
+        return False
+    lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
+    prefix = f"[rank {rank}] "
+    head = f"{prefix}Uncaught exception{where}; aborting all {size} ranks (MPI_Abort).\n"
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - stdout may be closed
+        pass
+    sys.stderr.write(head + "".join(prefix + line + "\n" for line in lines))
+    sys.stderr.flush()
+    abort_world(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+    return True
+
+
+def unlink_mpi_shared_memory_files() -> list[str]:
+    """Unlink the ``/dev/shm`` files this process has mapped for MPICH's shared memory; return them.
+
+    MPICH removes them at ``MPI_Finalize`` but not at ``MPI_Abort``, so every
+    aborted job would leave a few MiB in ``/dev/shm`` of each node (seen here: one
+    file per aborted job). Unlinking is safe while the job still runs: mapped
+    memory stays valid for every process that has it; only new attachments by
+    name would fail, and an aborting job makes none.
+    """
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_shm_" in line}
+    except (OSError, IndexError):
+        return []
+    removed = []
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # another rank was first
+            pass
+    return removed
+
+
+def abort_world(code: int) -> None:
+    """``MPI.COMM_WORLD.Abort(code)`` after a short pause, so the launcher can
+    forward what this rank just wrote before it kills the job; MPICH's shared
+    memory files are unlinked first (:func:`unlink_mpi_shared_memory_files`)."""
+    unlink_mpi_shared_memory_files()
+    time.sleep(0.2)
+    MPI.COMM_WORLD.Abort(code)
+
+
+def install_abort_on_exception() -> bool:
+    """Make an uncaught exception on any rank end the whole MPI job.
+
+    Installs ``sys.excepthook`` and ``threading.excepthook`` hooks that print
+    the traceback, each line prefixed with ``[rank R]``, and call
+    ``MPI.COMM_WORLD.Abort(1)`` when the world has more than one rank (with
+    one rank the previous hooks run). Idempotent. ``MPISTRAT_NO_ABORT_HOOK=1``
+    disables it (returns False).
+    """
+    global _HOOK_INSTALLED
+    if os.environ.get(NO_ABORT_HOOK_ENV, "").strip() == "1":
+        return False
+    with _HOOK_LOCK:
+        if _HOOK_INSTALLED:
+            return True
+        previous_sys = sys.excepthook
+        previous_thread = threading.excepthook
+
+        def excepthook(exc_type, exc, tb):  # noqa: ANN001
+            if not _report_and_abort(exc_type, exc, tb):
+                previous_sys(exc_type, exc, tb)
+
+        def thread_excepthook(args):  # noqa: ANN001
+            if args.exc_type is SystemExit:
+                previous_thread(args)
+                return
+            name = getattr(args.thread, "name", "?")
+            if not _report_and_abort(args.exc_type, args.exc_value, args.exc_traceback, f" in thread {name!r}"):
+                previous_thread(args)
+
+        sys.excepthook = excepthook
+        threading.excepthook = thread_excepthook
+        _HOOK_INSTALLED = True
+        return True
