@@ -119,12 +119,15 @@ class MpiAllreduceBackend:
         """Reduce the packed buffer straight into ``out`` (no unpack copy)."""
         self.comm.Allreduce(self._buffers.get(count, dtype), out, MPI_OPS[op])
 
-    def allreduce_array(self, src: Any, dst: np.ndarray, op: str) -> None:
+    def allreduce_array(self, src: Any, dst: np.ndarray, op: str, ready: Callable[[], Any] | None = None) -> None:
         """Reduce one contiguous array (``src`` may be ``MPI.IN_PLACE``) into ``dst``.
 
-        (MPI's send/receive form; copying ``src`` to ``dst`` and reducing in
-        place measured the same here: both pay one extra pass over memory.)
+        ``ready`` is called first (nothing to stage). (MPI's send/receive form;
+        copying ``src`` to ``dst`` and reducing in place measured the same
+        here: both pay one extra pass over memory.)
         """
+        if ready is not None:
+            ready()
         self.comm.Allreduce(src, dst, MPI_OPS[op])
 
     def close(self) -> None:
@@ -170,16 +173,23 @@ class DeviceMpiAllreduceBackend:
         """Reduce the packed device buffer into the device array ``out``."""
         self.allreduce_array(self._buffers.get(count, dtype), out, op)
 
-    def allreduce_array(self, src: Any, dst: Any, op: str) -> None:
-        """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``."""
+    def allreduce_array(self, src: Any, dst: Any, op: str, ready: Callable[[], Any] | None = None) -> None:
+        """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``.
+
+        ``ready`` is called once the data is staged (copied to the host, or its stream synchronised).
+        """
         mpi_op = MPI_OPS[op]
         if self.cuda_aware:
             synchronize_producer(dst if src is MPI.IN_PLACE else src)
+            if ready is not None:
+                ready()
             self.comm.Allreduce(src, dst, mpi_op)
             return
         source = dst if src is MPI.IN_PLACE else src
         host = self._staging.get(dst.size, dst.dtype)
         source.reshape(-1).get(out=host)  # synchronous device-to-host copy
+        if ready is not None:
+            ready()
         self.comm.Allreduce(MPI.IN_PLACE, host, mpi_op)
         dst.reshape(-1).set(host)
 

@@ -354,6 +354,19 @@ class RankCommunicator:
             self._agree_or_raise(key, error, timeout)
         h = fingerprint(key)
         traced = timeline.enabled()
+        guard = self._guard
+        if guard is not None and not traced:
+            steps = self._plans.get((h, kinds, pack_bytes, inplace))
+            if steps is not None:
+                # A call made before, so planned and staged before (no window to grow): the check's wait
+                # for the other ranks overlaps this rank's staging of its data (see _allreduce_steps).
+                guard.start(key, timeout, 0, h)
+                try:
+                    return self._allreduce_steps(steps, arrays, opname, inplace, guard.finish)
+                except BaseException:
+                    if guard.started:  # failed before the check finished: finish it, never leave it open
+                        guard.finish()
+                    raise
         t0 = timeline.now_us() if traced else 0.0
         self._check(key, timeout, 0, h)
         steps = self._plan(h, sig, kinds, opname, pack_bytes, inplace)
@@ -365,7 +378,12 @@ class RankCommunicator:
                 self._record("allreduce", t0, nbytes, op=opname, arrays=len(arrays), buckets=len(steps))
         return self._allreduce_steps(steps, arrays, opname, inplace)
 
-    def _allreduce_steps(self, steps: list[_Step], arrays: list, opname: str, inplace: bool) -> list:
+    def _allreduce_steps(
+        self, steps: list[_Step], arrays: list, opname: str, inplace: bool, ready: Callable[[], Any] | None = None
+    ) -> list:
+        """Run the planned steps. ``ready`` (the second half of a started agreement check) is called
+        once this rank has staged its first step's data, before anything that needs the other ranks:
+        by the backend for a single array (``allreduce_array``'s ``ready``), here after packing."""
         if self.size == 1:
             if inplace:
                 return arrays
@@ -377,7 +395,8 @@ class RankCommunicator:
             if step.direct:
                 a = arrays[b.members[0]]
                 if step.kind == _CAI:
-                    backend.allreduce_array(MPI.IN_PLACE, a, opname)
+                    backend.allreduce_array(MPI.IN_PLACE, a, opname, ready)
+                    ready = None
                     continue
                 # Every rank takes this path whatever its array's memory layout (the ranks agree on shapes
                 # and dtypes, not on strides), so all make the same collective calls: a strided array goes
@@ -385,17 +404,21 @@ class RankCommunicator:
                 contiguous = a.flags.c_contiguous
                 if inplace:
                     flat = a if contiguous else step.xp.ascontiguousarray(a)
-                    backend.allreduce_array(MPI.IN_PLACE, flat, opname)
+                    backend.allreduce_array(MPI.IN_PLACE, flat, opname, ready)
                     if not contiguous:
                         step.xp.copyto(a, flat)
                 else:
                     view = step.pool.get()[1][0]
-                    backend.allreduce_array(a if contiguous else step.xp.ascontiguousarray(a), view, opname)
+                    backend.allreduce_array(a if contiguous else step.xp.ascontiguousarray(a), view, opname, ready)
                     results[b.members[0]] = view
+                ready = None
                 continue
             xp = step.xp
             buf = backend.pack_buffer(b.count, b.dtype)
             pack(arrays, b, buf, xp)
+            if ready is not None:
+                ready()
+                ready = None
             to = getattr(backend, "allreduce_packed_to", None)
             if inplace:
                 if type(backend) is MpiAllreduceBackend or type(backend) is DeviceMpiAllreduceBackend:
@@ -421,6 +444,8 @@ class RankCommunicator:
                     block[start : start + piece.shape[0]] = piece
             for i, v in zip(b.members, views):
                 results[i] = v
+        if ready is not None:  # no steps (no arrays)
+            ready()
         return results
 
     # ------------------------------------------------------------------ all-gather

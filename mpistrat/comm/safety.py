@@ -203,6 +203,7 @@ class AgreementGuard:
         self._spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
         self.broken: str | None = None
         self.abandoned_seq: int | None = None
+        self._open: tuple | None = None  # a started check: (request, key, timeout, fingerprint, arrival ms)
         self._stall_warning, self._stall_shutdown = stall_settings()
         self._exited: dict[int, tuple] = {}  # rank -> (its last seq, how it ended)
         _LIVE.add(self)
@@ -217,6 +218,23 @@ class AgreementGuard:
         Raises :class:`CollectiveMismatchError` on every rank when the keys
         differ and :class:`CollectiveTimeoutError` after ``timeout`` seconds.
         """
+        self.start(key, timeout, aux, h)
+        return self.finish()
+
+    @property
+    def started(self) -> bool:
+        """Whether a check was started and not finished."""
+        return self._open is not None
+
+    def start(self, key: CallKey, timeout: float, aux: int = 0, h: int | None = None) -> None:
+        """The first half of :meth:`check`: send this rank's signature and return at once.
+
+        The caller may do local work (staging its data, never anything that
+        needs the other ranks) and must then call :meth:`finish`, also when
+        that work fails: the check's request must not stay open.
+        """
+        if self._open is not None:
+            raise RuntimeError("AgreementGuard.start: the previous check was not finished")
         if self.broken is not None:
             raise CommunicatorBrokenError(self.broken)
         shutdown = self._stall_shutdown
@@ -235,6 +253,15 @@ class AgreementGuard:
             req.Start()
         else:
             req = self._ctl.Iallgather(send, self._recv)
+        self._open = (req, key, timeout, h, arrival)
+
+    def finish(self) -> np.ndarray:
+        """The second half of :meth:`check`: wait for every rank, compare, return each rank's ``aux``."""
+        if self._open is None:
+            raise RuntimeError("AgreementGuard.finish: no check was started")
+        req, key, timeout, h, arrival = self._open
+        self._open = None
+        send = self._send
         late = False
         if not req.Test():
             late = self._wait(req, key, timeout)

@@ -77,6 +77,7 @@ import atexit
 import os
 import time
 import weakref
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -305,7 +306,9 @@ class ShmAllreduceBackend:
         # rank reaches only once it has finished reading here.
         self._bucket ^= 1
 
-    def allreduce_array(self, src: np.ndarray | MPI.BottomType, dst: np.ndarray, op: str) -> None:
+    def allreduce_array(
+        self, src: np.ndarray | MPI.BottomType, dst: np.ndarray, op: str, ready: Callable[[], Any] | None = None
+    ) -> None:
         """Reduce one C-contiguous array into ``dst`` (``src`` may be ``MPI.IN_PLACE``; collective).
 
         Up to ``direct_max_bytes``: copied into this rank's segment, then
@@ -315,18 +318,36 @@ class ShmAllreduceBackend:
         then the pieces copied into ``dst``. With ``chunk_bytes`` set, longer
         arrays go chunk by chunk, so each chunk stays in cache between its
         passes, at two synchronisations per chunk (see ``__init__``).
+        ``ready`` is called once this rank's (first chunk's) data is in its
+        segment, before the first synchronisation, and before anything
+        collective: the window never grows or measures after it is called.
         """
         source = (dst if src is MPI.IN_PLACE else src).reshape(-1)
         out = dst.reshape(-1)
-        self.reduce_in_chunks(source, out, op, self._chunk_items(out.shape[0], out.dtype))
+        count, dtype = out.shape[0], out.dtype
+        if ready is not None and not self._staged_without_collectives(count, dtype):
+            ready()
+            ready = None
+        self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), ready)
 
-    def reduce_in_chunks(self, source: np.ndarray, out: np.ndarray, op: str, chunk: int) -> None:
-        """``out = reduce(source)`` of 1-D arrays, ``chunk`` items at a time (0: in one pass; collective)."""
+    def _staged_without_collectives(self, count: int, dtype: np.dtype) -> bool:
+        """Whether ``allreduce_array`` of ``count`` items stages its data before any collective call
+        (neither growing the window nor measuring chunks first)."""
+        nbytes = count * dtype.itemsize
+        measuring = self.chunk_bytes is None and nbytes >= shm_calibration.CHUNK_MEASURE_MIN
+        return self._window is not None and nbytes <= self._capacity and not measuring
+
+    def reduce_in_chunks(
+        self, source: np.ndarray, out: np.ndarray, op: str, chunk: int, ready: Callable[[], Any] | None = None
+    ) -> None:
+        """``out = reduce(source)`` of 1-D arrays, ``chunk`` items at a time (0: in one pass; collective).
+        ``ready``: called before the first synchronisation."""
         if 0 < chunk < out.shape[0]:  # the same count and dtype on every rank: the same chunks
             for start in range(0, out.shape[0], chunk):
-                self._allreduce_contiguous(source[start : start + chunk], out[start : start + chunk], op)
+                self._allreduce_contiguous(source[start : start + chunk], out[start : start + chunk], op, ready)
+                ready = None
             return
-        self._allreduce_contiguous(source, out, op)
+        self._allreduce_contiguous(source, out, op, ready)
 
     def _chunk_items(self, count: int, dtype: np.dtype) -> int:
         """Items per chunk for an array of ``count`` (0: one pass). When ``chunk_bytes`` was left to
@@ -339,17 +360,23 @@ class ShmAllreduceBackend:
             self.chunk_bytes = shm_calibration.measure_chunks(self, count, dtype)
         return self.chunk_bytes // dtype.itemsize
 
-    def _allreduce_contiguous(self, source: np.ndarray, out: np.ndarray, op: str) -> None:
+    def _allreduce_contiguous(
+        self, source: np.ndarray, out: np.ndarray, op: str, ready: Callable[[], Any] | None = None
+    ) -> None:
         """:meth:`allreduce_array` of one 1-D array or chunk (``source`` may be ``out``)."""
         count, dtype = out.shape[0], out.dtype
         buf = self.pack_buffer(count, dtype)
         if count * dtype.itemsize <= self.direct_max_bytes:
             np.copyto(buf, source)
+            if ready is not None:
+                ready()
             self.allreduce_packed_to(count, dtype, op, out)
             return
         lo, hi = self._own_slice(count, dtype.itemsize)
         np.copyto(buf[:lo], source[:lo])
         np.copyto(buf[hi:], source[hi:])
+        if ready is not None:
+            ready()
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
         for start, piece in self._reduce_scatter(count, dtype, ufunc, op, own=source):
             out[start : start + piece.shape[0]] = piece
