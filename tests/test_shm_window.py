@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 import weakref
@@ -155,3 +156,35 @@ def test_no_collective_free_after_an_uncaught_exception(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "boom" in out.stderr
     assert "still open 2" in out.stdout, out.stdout + out.stderr
+
+
+_OVERSUBSCRIPTION_SCRIPT = """
+import os
+from mpi4py import MPI
+from mpistrat.comm.shm_window import ranks_outnumber_cores
+machine = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+os.write(1, f"outnumber={ranks_outnumber_cores(machine)}\\n".encode())  # one write: lines never interleave
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least 2 cores")
+@pytest.mark.parametrize("binding", ["core", "none"])
+def test_ranks_outnumber_cores_counts_the_cores_of_all_ranks(tmp_path, binding):
+    """Ranks bound one to a core each see one core apiece but are not oversubscribed; one rank more
+    than the cores is, bound or not."""
+    import subprocess
+    import sys
+
+    from mpirun import clean_env, mpiexec
+
+    script = tmp_path / "outnumber.py"
+    script.write_text(_OVERSUBSCRIPTION_SCRIPT)
+    cores = len(os.sched_getaffinity(0))
+    for ranks, expected in ((min(cores, 4), False), (cores + 1, True)):
+        if binding == "core" and ranks > cores:
+            continue  # hydra refuses to bind more ranks than cores
+        out = subprocess.run([mpiexec(), "-bind-to", binding, "-n", str(ranks), sys.executable, str(script)],
+                             capture_output=True, text=True, timeout=60, env=clean_env())
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.split() == [f"outnumber={expected}"] * ranks, (ranks, out.stdout)

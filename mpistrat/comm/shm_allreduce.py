@@ -86,7 +86,15 @@ from . import shm_calibration
 from .safety import allgather_checked
 from .shm_calibration import AUTO_CHUNK_BYTES
 from .shm_settings import agree_settings, parse_bytes, read_settings
-from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, default_spin, exiting_cleanly, make_sync
+from .shm_window import (
+    PAGE_SIZE,
+    NodeSync,
+    SharedWindow,
+    default_spin,
+    exiting_cleanly,
+    make_sync,
+    ranks_outnumber_cores,
+)
 from .topology import NodeLayout, node_layout, resolve_pretend_nodes
 
 __all__ = [
@@ -113,11 +121,13 @@ _INITIAL = 1 << 20
 # segments after one synchronisation; above it the reduce-scatter (two
 # synchronisations, 1/n of the additions each). Measured at 2 ranks: one
 # synchronisation wins at 16 KiB (8.2 against 9.4 us) and 4 MiB, the
-# reduce-scatter at 256 KiB-2 MiB (1 MiB: 108 against 138 us). When ranks
-# outnumber cores a synchronisation costs scheduler time: 4 ranks on 2 cores
-# measured one synchronisation 5-10% faster from 4 KiB to 1 MiB.
+# reduce-scatter at 256 KiB-2 MiB (1 MiB: 108 against 138 us; bound to one
+# core each, 512 KiB: 1.27-1.29x raw against 1.05x). When ranks outnumber
+# cores a synchronisation costs scheduler time: 4 ranks on 2 cores measured
+# one synchronisation 5-10% faster from 4 KiB to 512 KiB, and at 1 MiB faster
+# in 7 runs of 8 (1.04-1.12x raw against 0.90-1.02x; 2 MiB about even).
 DIRECT_MAX_BYTES = 64 << 10
-DIRECT_MAX_BYTES_OVERSUBSCRIBED = 512 << 10
+DIRECT_MAX_BYTES_OVERSUBSCRIBED = 1 << 20
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
 
@@ -194,9 +204,10 @@ class ShmAllreduceBackend:
         # Ranks sharing this machine's cores (pretend nodes share them too).
         machine = lay.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.spin = default_spin(machine.Get_size())
+        oversubscribed = ranks_outnumber_cores(machine)
         machine.Free()
         # One node: buckets up to this size take one synchronisation (allreduce_packed_to).
-        direct = DIRECT_MAX_BYTES if self.spin else DIRECT_MAX_BYTES_OVERSUBSCRIBED
+        direct = DIRECT_MAX_BYTES_OVERSUBSCRIBED if oversubscribed else DIRECT_MAX_BYTES
         self.direct_max_bytes = direct if lay.num_nodes == 1 and lay.local_size > 1 else -1
         # allreduce_array of a long array, chunk by chunk, so each chunk's copy in, sum and copy out stay
         # in cache. On this project's 2-core VM, 2 ranks, 2 MiB chunks took 16 MiB in 2.2-2.9 instead of

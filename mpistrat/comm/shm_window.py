@@ -78,11 +78,22 @@ def default_spin(ranks_on_machine: int) -> int:
     the awaited peer needs (2.8 ms per 4 KiB call at 2000 polls on a loaded
     2-core machine); an idle machine pays one cheap ``sched_yield`` per poll.
     """
+    return 0 if ranks_on_machine > len(_affinity()) else 100
+
+
+def _affinity() -> set[int]:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return 0 if ranks_on_machine > cores else 100
+        return set(range(os.cpu_count() or 1))
+
+
+def ranks_outnumber_cores(machine: MPI.Comm) -> bool:
+    """Whether the ranks of ``machine`` (one machine's ranks) outnumber the cores they may run on
+    together, the union of their CPU affinities (collective). Unlike :func:`default_spin`, two ranks
+    bound one to a core each are not oversubscribed."""
+    cores = set().union(*machine.allgather(_affinity()))
+    return machine.Get_size() > len(cores)
 
 
 def _round_up(n: int, m: int) -> int:
