@@ -179,6 +179,9 @@ class ReplicaContext:
         self._require_current()
         op = ReduceOp.from_string(reduce_op)
         ext = self._strategy.extended
+        if self._rendezvous.n == 1 and type(value) is np.ndarray:
+            # A lone replica reducing one array (the common case): nobody to meet, nothing to walk.
+            return ext._cross_device_ops.batch_all_reduce(op, [[value]], ext._local_devices, options)[0][0]
         flat = _replica_leaves("all_reduce", value)
 
         def run_reduce(payloads: list) -> list:
