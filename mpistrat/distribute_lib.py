@@ -179,9 +179,14 @@ class ReplicaContext:
         self._require_current()
         op = ReduceOp.from_string(reduce_op)
         ext = self._strategy.extended
-        if self._rendezvous.n == 1 and type(value) is np.ndarray:
-            # A lone replica reducing one array (the common case): nobody to meet, nothing to walk.
-            return ext._cross_device_ops.batch_all_reduce(op, [[value]], ext._local_devices, options)[0][0]
+        if self._rendezvous.n == 1:
+            # A lone replica reducing an array or a flat list or tuple of arrays (the common cases):
+            # nobody to meet, no structure to walk.
+            kind = type(value)
+            if kind is np.ndarray:
+                return ext._cross_device_ops.batch_all_reduce(op, [[value]], ext._local_devices, options)[0][0]
+            if (kind is list or kind is tuple) and value and set(map(type, value)) == _NDARRAY:
+                return kind(ext._cross_device_ops.batch_all_reduce(op, [list(value)], ext._local_devices, options)[0])
         flat = _replica_leaves("all_reduce", value)
 
         def run_reduce(payloads: list) -> list:
@@ -212,6 +217,7 @@ class ReplicaContext:
         return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, strategy={self._strategy!r})"
 
 
+_NDARRAY = {np.ndarray}
 _PLAIN_LEAVES = frozenset((np.ndarray, float, int, bool, np.float32, np.float64, np.int32, np.int64))
 
 

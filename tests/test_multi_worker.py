@@ -69,6 +69,38 @@ def test_all_reduce_and_all_gather_across_ranks(strategy):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("container", ["array", "list", "tuple", "mixed list", "empty list"])
+def test_all_reduce_keeps_the_structure_of_arrays_lists_and_tuples(strategy, container):
+    # One local replica takes a shortcut for arrays and flat lists or tuples of arrays; two do not.
+    n = strategy.num_replicas_in_sync
+    make = {
+        "array": lambda g: np.full(3, g, np.float32),
+        "list": lambda g: [np.full(3, g, np.float32), np.full((2, 2), 2 * g)],
+        "tuple": lambda g: (np.full(3, g, np.float32), np.full((2, 2), 2 * g)),
+        "mixed list": lambda g: [np.full(3, g, np.float32), float(g)],
+        "empty list": lambda g: [],
+    }[container]
+
+    def fn():
+        g = ms.get_replica_context().replica_id_in_sync_group
+        value = make(g)
+        before = [np.array(v, copy=True) for v in (value if isinstance(value, (list, tuple)) else [value])]
+        out = [ms.get_replica_context().all_reduce(op, value) for op in ("sum", "mean", "max")]
+        after = value if isinstance(value, (list, tuple)) else [value]
+        assert all(np.array_equal(b, a) for b, a in zip(before, after)), "the input must be untouched"
+        return out
+
+    for sums, means, maxes in strategy.experimental_local_results(strategy.run(fn)):
+        expected = [make(n * (n - 1) / 2), make((n - 1) / 2), make(n - 1)]
+        for got, want in zip((sums, means, maxes), expected):
+            assert type(got) is type(want), (type(got), type(want))
+            pairs = zip(got, want) if isinstance(want, (list, tuple)) else [(got, want)]
+            assert len(got) == len(want) if isinstance(want, (list, tuple)) else got.shape == want.shape
+            for g_, w_ in pairs:
+                assert np.allclose(g_, w_), (g_, w_)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_reduce_and_gather_in_cross_replica_context(strategy):
     n = strategy.num_replicas_in_sync
     pr = strategy.experimental_distribute_values_from_function(lambda ctx: replica_value(ctx.replica_id_in_sync_group))
