@@ -1,10 +1,11 @@
 """The agreement check overlapping the staging of a repeated all-reduce.
 
-A call made before (its plan cached) starts the check, stages this rank's
-data (packing a bucket, copying an array into the shared window), and only
-then waits for the check. These tests pin down that order, and that
-mismatches, timeouts and errors while staging still end the same way on
-every rank, with the communicator left usable where it was before.
+A call made before (its plan cached) on host buckets of at most 4 MiB starts
+the check, stages this rank's data (packing a bucket, copying an array into
+the shared window), and only then waits for the check. These tests pin down
+that order and its limits, and that mismatches, timeouts, late ranks and
+errors while staging still end the same way on every rank, with the
+communicator left usable where it was before.
 """
 
 import time
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpistrat.comm import backends
 from mpistrat.comm import communicator as communicator_module
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
@@ -53,6 +55,17 @@ def _record_order(rc: RankCommunicator, monkeypatch: pytest.MonkeyPatch) -> list
     monkeypatch.setattr(guard, "finish", recorded_finish)
     monkeypatch.setattr(backend, "pack_buffer", recorded_pack_buffer)
     return events
+
+
+def _pack_slowly(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Make this rank's packing of a bucket (staging, between start and finish of the check) slow."""
+    pack = communicator_module.pack
+
+    def pack_slowly(*args, **kwargs):
+        time.sleep(seconds)
+        return pack(*args, **kwargs)
+
+    monkeypatch.setattr(communicator_module, "pack", pack_slowly)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -124,3 +137,119 @@ def test_a_late_rank_on_a_repeated_call_times_out_the_waiting_ranks(shm_rc):
         assert info.value.missing_ranks == [late] and "rank 1 never arrived" in str(info.value)
     assert not rc._guard.started
     MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_repeated_call_above_the_overlap_limit_checks_before_staging(shm_rc, monkeypatch):
+    events = _record_order(shm_rc, monkeypatch)
+    count = (communicator_module._OVERLAP_MAX_BYTES + (1 << 20)) // 4  # float32, above the limit
+    for _ in range(2):
+        out = shm_rc.allreduce([np.full(count, 1.0, np.float32)], "sum")
+        assert np.all(out[0] == shm_rc.size)
+        assert events[:2] == ["checked", "staged"], events
+        events.clear()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_rank_past_its_deadline_after_staging_tells_the_late_peer(shm_rc, monkeypatch):
+    # Rank 0 starts the check (advertising a deadline 1 s later) and stages for 1.5 s; rank 1
+    # arrives after that deadline and expects a verdict from rank 0: RESOLVED, since the
+    # collective completes. Everyone gets the right result and the communicator stays usable.
+    rc = shm_rc
+    opts = CommunicationOptions(timeout_seconds=1.0)
+    arrays = CALLS["ten small arrays"](rc.rank + 1.0)
+    rc.allreduce(arrays, "sum", opts)
+    if rc.rank == 0:
+        _pack_slowly(monkeypatch, 1.5)
+    else:
+        time.sleep(1.2)
+    out = rc.allreduce(arrays, "sum", opts)
+    monkeypatch.undo()
+    assert all(np.all(o == rc.size * (rc.size + 1) / 2) for o in out)
+    assert rc.allreduce(arrays, "sum", opts)[0][0] == rc.size * (rc.size + 1) / 2
+
+
+class _ThreeArgumentBackend(backends.MpiAllreduceBackend):
+    """A backend written to the older protocol: ``allreduce_array(src, dst, op)``."""
+
+    name = "three-argument"
+
+    def allreduce_array(self, src, dst, op):
+        self.comm.Allreduce(src, dst, backends.MPI_OPS[op])
+
+
+class _ForgetfulBackend(backends.MpiAllreduceBackend):
+    """Takes ``ready`` and never calls it (a bug the communicator must catch)."""
+
+    name = "forgetful"
+
+    def allreduce_array(self, src, dst, op, ready=None):
+        self.comm.Allreduce(src, dst, backends.MPI_OPS[op])
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    def register(cls):
+        monkeypatch.setattr(backends, "FACTORIES", dict(backends.FACTORIES))
+        monkeypatch.setattr(backends, "PREFERENCES", dict(backends.PREFERENCES))
+        backends.register_backend(cls.name, lambda comm, options: cls(comm), ("AUTO",))
+
+    return register
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_backend_without_ready_works_and_never_overlaps(comm, registered):
+    registered(_ThreeArgumentBackend)
+    rc = RankCommunicator(comm)
+    try:
+        assert type(rc._host_backends[0]) is _ThreeArgumentBackend
+        assert not backends.stages_locally(rc._host_backends[0]) and backends.stages_locally(rc._host_backends[-1])
+        for _ in range(3):
+            assert rc.allreduce([np.full(1000, rc.rank + 1.0)], "sum")[0][0] == rc.size * (rc.size + 1) / 2
+    finally:
+        rc.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_backend_that_never_calls_ready_is_caught_on_every_rank(comm, registered):
+    registered(_ForgetfulBackend)
+    rc = RankCommunicator(comm)
+    try:
+        assert backends.stages_locally(rc._host_backends[0])
+        rc.allreduce([np.ones(1000)], "sum")  # first call: checked before, as always
+        with pytest.raises(RuntimeError, match="_ForgetfulBackend took `ready` and never called it"):
+            rc.allreduce([np.ones(1000)], "sum")
+        assert not rc._guard.started
+    finally:
+        rc.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_peer_deadline_passing_while_a_rank_stages_ends_alike_on_both(comm, monkeypatch):
+    # Rank 1 waits in the check; rank 0 starts 0.2 s before rank 1's deadline and stages for 1.5 s
+    # without polling. Rank 1 either completes in time (no verdict) or times out (it queries rank 0,
+    # then abandons): rank 0 must see which, so both succeed or both raise, never one waiting alone.
+    pair = comm.Split(0 if comm.rank < 2 else MPI.UNDEFINED, comm.rank)
+    if pair == MPI.COMM_NULL:
+        return
+    rc = RankCommunicator(pair, CommunicationOptions(implementation="SHM"))
+    try:
+        opts = CommunicationOptions(timeout_seconds=1.0)
+        arrays = CALLS["ten small arrays"](rc.rank + 1.0)
+        rc.allreduce(arrays, "sum", opts)
+        if rc.rank == 0:
+            time.sleep(0.8)
+            _pack_slowly(monkeypatch, 1.5)
+        try:
+            out = rc.allreduce(arrays, "sum", opts)
+            outcome = "ok" if all(np.all(o == 3.0) for o in out) else "wrong"
+        except CollectiveTimeoutError:
+            outcome = "timeout"
+        monkeypatch.undo()
+        outcomes = pair.allgather(outcome)
+        assert outcomes in (["ok", "ok"], ["timeout", "timeout"]), outcomes
+    finally:
+        rc.close()
+        pair.Free()

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from mpistrat.comm import lifetime
 from mpistrat.comm.communicator import RankCommunicator
@@ -177,3 +178,18 @@ def test_arrival_within_grace_period_completes_everywhere(rc, monkeypatch):
     out = rc.allreduce([np.full(3, rc.rank + 1.0)], "sum", CommunicationOptions(timeout_seconds=1.0))
     np.testing.assert_array_equal(out[0], np.full(3, rc.size * (rc.size + 1) / 2))
     assert rc.step_agreement(rc.rank).tolist() == list(range(rc.size))  # still usable
+
+
+@pytest.mark.mpi(min_size=3)
+def test_guards_have_one_index_on_all_ranks_after_guards_on_some_ranks(comm):
+    # Timeout reports name peers' collectives by guard index: ranks that made more guards (here on a
+    # pair of ranks) must not make the next guard over all ranks look like another communicator.
+    pair = comm.Split(0 if comm.rank < 2 else MPI.UNDEFINED, comm.rank)
+    if pair != MPI.COMM_NULL:
+        RankCommunicator(pair).close()
+        pair.Free()
+    c = RankCommunicator(comm)
+    try:
+        assert len(set(comm.allgather(c._guard.index))) == 1
+    finally:
+        c.close()

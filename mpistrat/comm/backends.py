@@ -23,6 +23,7 @@ adds one.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
@@ -43,6 +44,7 @@ __all__ = [
     "select_backends",
     "mpi_datatype",
     "GrowableBuffers",
+    "stages_locally",
 ]
 
 MPI_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
@@ -65,6 +67,29 @@ class AllreduceBackend(Protocol):
 
     def close(self) -> None:
         """Release the backend's resources."""
+
+
+_STAGES_LOCALLY: dict[type, bool] = {}
+
+
+def stages_locally(backend: Any) -> bool:
+    """Whether ``backend`` lets the communicator overlap its agreement check with staging.
+
+    It must say so (a class attribute ``stages_locally = True``) and its
+    ``allreduce_array`` must take ``ready``: such a backend promises that, for
+    a bucket size it has reduced before, ``pack_buffer`` and the staging part
+    of ``allreduce_array`` do nothing collective, and that ``allreduce_array``
+    calls ``ready`` before its first step that needs the other ranks. A
+    subclass that overrides ``allreduce_array`` without ``ready`` does not
+    qualify. Cached per class.
+    """
+    kind = type(backend)
+    known = _STAGES_LOCALLY.get(kind)
+    if known is None:
+        method = getattr(kind, "allreduce_array", None)
+        takes_ready = method is not None and "ready" in inspect.signature(method).parameters
+        known = _STAGES_LOCALLY[kind] = bool(getattr(kind, "stages_locally", False)) and takes_ready
+    return known
 
 
 def mpi_datatype(dtype: Any) -> MPI.Datatype:
@@ -96,6 +121,7 @@ class MpiAllreduceBackend:
     """``MPI_Allreduce`` on host buckets; one reusable buffer per dtype."""
 
     name = "mpi"
+    stages_locally = True  # see stages_locally()
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
@@ -173,23 +199,16 @@ class DeviceMpiAllreduceBackend:
         """Reduce the packed device buffer into the device array ``out``."""
         self.allreduce_array(self._buffers.get(count, dtype), out, op)
 
-    def allreduce_array(self, src: Any, dst: Any, op: str, ready: Callable[[], Any] | None = None) -> None:
-        """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``.
-
-        ``ready`` is called once the data is staged (copied to the host, or its stream synchronised).
-        """
+    def allreduce_array(self, src: Any, dst: Any, op: str) -> None:
+        """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``."""
         mpi_op = MPI_OPS[op]
         if self.cuda_aware:
             synchronize_producer(dst if src is MPI.IN_PLACE else src)
-            if ready is not None:
-                ready()
             self.comm.Allreduce(src, dst, mpi_op)
             return
         source = dst if src is MPI.IN_PLACE else src
         host = self._staging.get(dst.size, dst.dtype)
         source.reshape(-1).get(out=host)  # synchronous device-to-host copy
-        if ready is not None:
-            ready()
         self.comm.Allreduce(MPI.IN_PLACE, host, mpi_op)
         dst.reshape(-1).set(host)
 

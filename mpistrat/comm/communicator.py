@@ -36,7 +36,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .backends import DeviceMpiAllreduceBackend, MPI_OPS, MpiAllreduceBackend, GrowableBuffers, mpi_datatype, select_backends
+from .backends import (
+    MPI_OPS,
+    DeviceMpiAllreduceBackend,
+    GrowableBuffers,
+    MpiAllreduceBackend,
+    mpi_datatype,
+    select_backends,
+    stages_locally,
+)
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
 from .fusion import Bucket, ResultPool, pack, plan_buckets
 from .lifetime import Resources, release_dropped, track
@@ -136,6 +144,19 @@ class _Step:
             self._src = base
             self._src_views = [flat[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
         return self._src_views
+
+
+# A repeated call overlaps its agreement check with staging only for host buckets up to this size:
+# while it stages, a rank makes no MPI progress and answers no peer's query, so staging must stay far
+# shorter than the grace period a timed-out peer waits (0.5 s by default; a 4 MiB copy takes about
+# 1 ms here). Device buckets never overlap (their staging waits for the GPU, for as long as it takes).
+_OVERLAP_MAX_BYTES = 4 << 20
+
+
+def _overlaps_check(first: _Step | None) -> bool:
+    """Whether a call whose first step is ``first`` may overlap its check with staging that step."""
+    return (first is not None and first.kind == _HOST and first.bucket.nbytes <= _OVERLAP_MAX_BYTES
+            and stages_locally(first.backend))
 
 
 class RankCommunicator:
@@ -357,16 +378,8 @@ class RankCommunicator:
         guard = self._guard
         if guard is not None and not traced:
             steps = self._plans.get((h, kinds, pack_bytes, inplace))
-            if steps is not None:
-                # A call made before, so planned and staged before (no window to grow): the check's wait
-                # for the other ranks overlaps this rank's staging of its data (see _allreduce_steps).
-                guard.start(key, timeout, 0, h)
-                try:
-                    return self._allreduce_steps(steps, arrays, opname, inplace, guard.finish)
-                except BaseException:
-                    if guard.started:  # failed before the check finished: finish it, never leave it open
-                        guard.finish()
-                    raise
+            if steps is not None and _overlaps_check(steps[0] if steps else None):
+                return self._allreduce_overlapped(guard, key, timeout, h, steps, arrays, opname, inplace)
         t0 = timeline.now_us() if traced else 0.0
         self._check(key, timeout, 0, h)
         steps = self._plan(h, sig, kinds, opname, pack_bytes, inplace)
@@ -377,6 +390,25 @@ class RankCommunicator:
                 nbytes = sum(s.bucket.nbytes for s in steps)
                 self._record("allreduce", t0, nbytes, op=opname, arrays=len(arrays), buckets=len(steps))
         return self._allreduce_steps(steps, arrays, opname, inplace)
+
+    def _allreduce_overlapped(
+        self, guard: AgreementGuard, key: CallKey, timeout: float, h: int, steps: list[_Step], arrays: list,
+        opname: str, inplace: bool,
+    ) -> list:
+        """A call planned before (so staged before: no window to grow): the check's wait for the other
+        ranks overlaps this rank's staging of its first bucket (see _allreduce_steps)."""
+        guard.start(key, timeout, 0, h)
+        try:
+            results = self._allreduce_steps(steps, arrays, opname, inplace, guard.finish)
+        except BaseException:
+            if guard.started:  # failed before the check finished: finish it, never leave it open
+                guard.finish()
+            raise
+        if guard.started:  # a backend that took ready and never called it: a bug, caught on every rank
+            guard.finish()
+            raise RuntimeError(f"all-reduce backend {type(steps[0].backend).__name__} took `ready` and never "
+                               "called it: the agreement check finished only after the data moved")
+        return results
 
     def _allreduce_steps(
         self, steps: list[_Step], arrays: list, opname: str, inplace: bool, ready: Callable[[], Any] | None = None
@@ -394,24 +426,25 @@ class RankCommunicator:
             backend = step.backend
             if step.direct:
                 a = arrays[b.members[0]]
+                write_back = None
                 if step.kind == _CAI:
-                    backend.allreduce_array(MPI.IN_PLACE, a, opname, ready)
-                    ready = None
-                    continue
-                # Every rank takes this path whatever its array's memory layout (the ranks agree on shapes
-                # and dtypes, not on strides), so all make the same collective calls: a strided array goes
-                # through a contiguous copy.
-                contiguous = a.flags.c_contiguous
-                if inplace:
-                    flat = a if contiguous else step.xp.ascontiguousarray(a)
-                    backend.allreduce_array(MPI.IN_PLACE, flat, opname, ready)
-                    if not contiguous:
-                        step.xp.copyto(a, flat)
+                    src, dst = MPI.IN_PLACE, a
+                elif inplace:
+                    # Every rank takes this path whatever its array's memory layout (the ranks agree on
+                    # shapes and dtypes, not on strides), so all make the same collective calls: a strided
+                    # array goes through a contiguous copy.
+                    src, dst = MPI.IN_PLACE, a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
+                    write_back = None if dst is a else a
                 else:
-                    view = step.pool.get()[1][0]
-                    backend.allreduce_array(a if contiguous else step.xp.ascontiguousarray(a), view, opname, ready)
-                    results[b.members[0]] = view
-                ready = None
+                    src = a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
+                    dst = results[b.members[0]] = step.pool.get()[1][0]
+                if ready is None:
+                    backend.allreduce_array(src, dst, opname)
+                else:  # only backends that stage locally (backends.stages_locally) get it
+                    backend.allreduce_array(src, dst, opname, ready)
+                    ready = None
+                if write_back is not None:
+                    step.xp.copyto(write_back, dst)
                 continue
             xp = step.xp
             buf = backend.pack_buffer(b.count, b.dtype)

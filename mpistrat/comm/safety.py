@@ -181,7 +181,9 @@ class AgreementGuard:
         self.size = comm.Get_size()
         self._ctl = comm.Dup()
         self._query = comm.Dup()
-        _GUARD_COUNT += 1
+        # The same index on every rank of comm (queries and replies name guards by it), even when
+        # ranks have made different numbers of guards (on sub-communicators): one above the largest.
+        _GUARD_COUNT = self._ctl.allreduce(_GUARD_COUNT, op=MPI.MAX) + 1
         self.index = _GUARD_COUNT
         self.seq = 0
         # Per rank: fingerprint, aux, wall-clock deadline (ms) of its wait.
@@ -261,19 +263,26 @@ class AgreementGuard:
             raise RuntimeError("AgreementGuard.finish: no check was started")
         req, key, timeout, h, arrival = self._open
         self._open = None
+        resumed = int(time.time() * 1000)  # after start(), the caller may have staged data without polling
         send = self._send
         late = False
         if not req.Test():
             late = self._wait(req, key, timeout)
-            if not late and time.time() * 1000 > send[2]:
-                # Completed just past our deadline, before noticing it: a peer
-                # that arrived after the deadline expects a verdict from us.
-                self._resolved([r for r in range(self.size) if r != self.rank])
+        if not late and time.time() * 1000 > send[2]:
+            # Completed past our deadline, before noticing it (while waiting, or
+            # while staging after start): a peer that arrived after the deadline
+            # expects a verdict from us.
+            self._resolved([r for r in range(self.size) if r != self.rank])
         values = self._recv.tolist()
         # A peer whose deadline passed before we arrived has timed out: it
         # sends a verdict (RESOLVED or ABANDON) that we must wait for.
         if late or min(values[2::3]) < arrival:
             self._settle(key, timeout, values, arrival)
+        elif min(values[2::3]) < resumed:
+            # A peer's deadline passed while we staged: it may have timed out
+            # (then it queried us, and its verdict is on the way) or completed
+            # in time (then it sent nothing): wait only for those that queried.
+            self._settle(key, timeout, values, arrival, only_queried=True)
         if values[0::3].count(h) != self.size:
             keys = self._ctl.allgather(key)
             message = format_mismatch(keys, self.seq)
@@ -530,16 +539,18 @@ class AgreementGuard:
                 return
             time.sleep(1e-3)
 
-    def _settle(self, key: CallKey, timeout: float, values: list, arrival: int) -> None:
+    def _settle(self, key: CallKey, timeout: float, values: list, arrival: int, only_queried: bool = False) -> None:
         """After a completed check, learn whether a peer gave up on it.
 
         A peer that timed out on this collective queried us; it then sends a
         verdict: RESOLVED (it saw the collective complete) or ABANDON (it
         raised). Wait for the verdicts, bounded; raise on ABANDON or silence.
+        Expected from the peers whose deadline passed before ``arrival`` and
+        those that queried us, or (``only_queried``) only the latter.
         """
         status = MPI.Status()
         deadlines = values[2::3]
-        pending = {r for r, d in enumerate(deadlines) if d < arrival and r != self.rank}
+        pending = set() if only_queried else {r for r, d in enumerate(deadlines) if d < arrival and r != self.rank}
         givers: list[int] = []
         their_limit = self._limit(timeout)
         latest = max([deadlines[r] for r in pending], default=arrival) / 1000.0

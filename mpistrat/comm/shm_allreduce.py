@@ -173,6 +173,7 @@ class ShmAllreduceBackend:
     """
 
     name = "shm"
+    stages_locally = True  # backends.stages_locally: no collective before ready for a size seen before
 
     def __init__(
         self,
