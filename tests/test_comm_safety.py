@@ -193,3 +193,17 @@ def test_guards_have_one_index_on_all_ranks_after_guards_on_some_ranks(comm):
         assert len(set(comm.allgather(c._guard.index))) == 1
     finally:
         c.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_bytes_per_pack_raise_on_every_rank(rc):
+    # Buckets cut at different sizes would mean different collective calls: a hang or a wrong sum.
+    arrays = [np.full(100, rc.rank + 1.0) for _ in range(8)]
+    mine = CommunicationOptions(bytes_per_pack=800 * (2 if rc.rank == 0 else 1))
+    same = CommunicationOptions(bytes_per_pack=800)
+    for options in (mine, same, same):  # the second time, after the plan was cached
+        rc.allreduce(arrays, "sum", same)
+        _raises_everywhere(lambda: rc.allreduce(arrays, "sum", mine), CollectiveMismatchError,
+                           r"Mismatched allreduce bytes_per_pack", r"rank 0: 1600; rank 1: 800")
+    out = rc.allreduce(arrays, "sum", same)
+    assert all(np.all(o == rc.size * (rc.size + 1) / 2) for o in out)

@@ -50,7 +50,7 @@ from .fusion import Bucket, ResultPool, pack, plan_buckets
 from .lifetime import Resources, release_dropped, track
 from .options import CommunicationOptions
 from .. import timeline
-from .safety import AgreementGuard, CollectiveError
+from .safety import AgreementGuard, CollectiveError, CollectiveMismatchError
 from .signatures import CallKey, fingerprint
 
 __all__ = ["RankCommunicator", "normalize_op"]
@@ -151,6 +151,20 @@ class _Step:
 # shorter than the grace period a timed-out peer waits (0.5 s by default; a 4 MiB copy takes about
 # 1 ms here). Device buckets never overlap (their staging waits for the GPU, for as long as it takes).
 _OVERLAP_MAX_BYTES = 4 << 20
+
+
+def _require_same_pack(packs: np.ndarray) -> None:
+    """Raise (on every rank: all see the same values) unless every rank fuses with the same bucket size.
+
+    Buckets cut at different sizes mean different collective calls: the bucket size travels in
+    the agreement check's ``aux``.
+    """
+    if packs.min() != packs.max():
+        detail = "; ".join(f"rank {r}: {int(p)}" for r, p in enumerate(packs))
+        raise CollectiveMismatchError(
+            f"Mismatched allreduce bytes_per_pack ({detail}): the ranks would fuse different buckets; "
+            "pass the same CommunicationOptions on every rank"
+        )
 
 
 def _overlaps_check(first: _Step | None) -> bool:
@@ -379,9 +393,11 @@ class RankCommunicator:
         if guard is not None and not traced:
             steps = self._plans.get((h, kinds, pack_bytes, inplace))
             if steps is not None and _overlaps_check(steps[0] if steps else None):
-                return self._allreduce_overlapped(guard, key, timeout, h, steps, arrays, opname, inplace)
+                return self._allreduce_overlapped(guard, key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
         t0 = timeline.now_us() if traced else 0.0
-        self._check(key, timeout, 0, h)
+        packs = self._check(key, timeout, pack_bytes, h)
+        if packs is not None:
+            _require_same_pack(packs)
         steps = self._plan(h, sig, kinds, opname, pack_bytes, inplace)
         if traced:
             try:
@@ -392,14 +408,14 @@ class RankCommunicator:
         return self._allreduce_steps(steps, arrays, opname, inplace)
 
     def _allreduce_overlapped(
-        self, guard: AgreementGuard, key: CallKey, timeout: float, h: int, steps: list[_Step], arrays: list,
-        opname: str, inplace: bool,
+        self, guard: AgreementGuard, key: CallKey, timeout: float, h: int, pack_bytes: int, steps: list[_Step],
+        arrays: list, opname: str, inplace: bool,
     ) -> list:
         """A call planned before (so staged before: no window to grow): the check's wait for the other
         ranks overlaps this rank's staging of its first bucket (see _allreduce_steps)."""
-        guard.start(key, timeout, 0, h)
+        guard.start(key, timeout, pack_bytes, h)
         try:
-            results = self._allreduce_steps(steps, arrays, opname, inplace, guard.finish)
+            results = self._allreduce_steps(steps, arrays, opname, inplace, self._finish_check)
         except BaseException:
             if guard.started:  # failed before the check finished: finish it, never leave it open
                 guard.finish()
@@ -409,6 +425,11 @@ class RankCommunicator:
             raise RuntimeError(f"all-reduce backend {type(steps[0].backend).__name__} took `ready` and never "
                                "called it: the agreement check finished only after the data moved")
         return results
+
+    def _finish_check(self) -> None:
+        """Finish the started agreement check of an all-reduce (its ``ready``)."""
+        assert self._guard is not None
+        _require_same_pack(self._guard.finish())
 
     def _allreduce_steps(
         self, steps: list[_Step], arrays: list, opname: str, inplace: bool, ready: Callable[[], Any] | None = None
