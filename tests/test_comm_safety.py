@@ -162,7 +162,7 @@ def test_close_while_a_peer_is_in_a_collective(comm):
     # Dropped broken, on rank 1 without a finished close(): cleaned up locally at once, not left
     # filed for a collective release the other ranks (which closed it) would never join.
     filed = lifetime.dropped_count()
-    del c, fn
+    c = fn = None  # drop it (the lambda above holds it too)
     gc.collect()
     assert lifetime.dropped_count() == filed
 
