@@ -1,4 +1,4 @@
-"""Strategy, StrategyExtended and ReplicaContext: the machinery all strategies share.
+"""Strategy and StrategyExtended: the machinery all strategies share (ReplicaContext: replica_context.py).
 
 One ``StrategyExtended`` implementation serves every strategy. It is defined
 by this rank's local replica devices and, for multi-worker strategies, a
@@ -22,7 +22,9 @@ from mpistrat import devices as dev
 from mpistrat.context import Frame
 from mpistrat.cross_device_ops import CrossDeviceOps, select_cross_device_ops
 from mpistrat.regroup import contains_distributed, local_values, regroup, select_component, select_replica
-from mpistrat.replica_group import Rendezvous, ReplicaGroup
+from mpistrat.reduce_along import reduce_along, sum_and_count
+from mpistrat.replica_context import ReplicaContext
+from mpistrat.replica_group import ReplicaGroup
 from mpistrat.values import DistributedValues, Mirrored, PerReplica, ReduceOp
 
 __all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "ValueContext", "RunOptions"]
@@ -59,197 +61,6 @@ class RunOptions:
         self.experimental_enable_dynamic_batch_size = experimental_enable_dynamic_batch_size
         self.experimental_bucketizing_dynamic_shape = experimental_bucketizing_dynamic_shape
         self.experimental_xla_options = experimental_xla_options
-
-
-def _normalize_axis(axis: "int | Sequence[int]", ndim: int) -> tuple[int, ...]:
-    """``axis`` (an int or a sequence of ints) as a tuple of distinct non-negative axes of an ``ndim`` array."""
-    axes = tuple(axis) if isinstance(axis, (list, tuple)) else (axis,)
-    out = []
-    for a in axes:
-        if not isinstance(a, (int, np.integer)) or isinstance(a, bool):
-            raise TypeError(f"axis must be an int or a sequence of ints, got {axis!r}")
-        if not -ndim <= a < ndim:
-            raise ValueError(f"axis {a} is out of range for a value of rank {ndim}")
-        out.append(int(a) % ndim)
-    if len(set(out)) != len(out):
-        raise ValueError(f"axis {axis!r} names an axis twice")
-    return tuple(out)
-
-
-def _reduce_along(op: ReduceOp, x: Any, axis: "int | Sequence[int]") -> Any:
-    """Reduce ``x`` along ``axis`` with SUM, MIN or MAX (an empty axis gives MIN/MAX's identity)."""
-    xp = dev.array_module(dev.device_of(x))
-    x = xp.asarray(x)
-    axes = _normalize_axis(axis, x.ndim)
-    if op is ReduceOp.SUM:
-        return x.sum(axis=axes)
-    if any(x.shape[a] == 0 for a in axes):  # an empty batch contributes the identity of MIN/MAX
-        shape = tuple(n for a, n in enumerate(x.shape) if a not in axes)
-        if x.dtype.kind == "f":
-            fill = np.inf if op is ReduceOp.MIN else -np.inf
-        else:
-            info = np.iinfo(x.dtype)
-            fill = info.max if op is ReduceOp.MIN else info.min
-        return xp.full(shape, fill, dtype=x.dtype)
-    return x.min(axis=axes) if op is ReduceOp.MIN else x.max(axis=axes)
-
-
-def _sum_and_count(x: Any, axis: "int | Sequence[int]") -> tuple:
-    """``x``'s sum along ``axis`` and the number of elements summed (for a global MEAN)."""
-    xp = dev.array_module(dev.device_of(x))
-    x = xp.asarray(x)
-    axes = _normalize_axis(axis, x.ndim)
-    total = x.sum(axis=axes)
-    count = int(np.prod([x.shape[a] for a in axes]))
-    return total, xp.asarray(count, dtype=total.dtype if total.dtype.kind in "fc" else np.float64)
-
-
-class ReplicaContext:
-    """The context of one replica inside ``Strategy.run``."""
-
-    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, local_replica_id: int = 0,
-                 rendezvous: Rendezvous | None = None):
-        self._strategy = strategy
-        self._replica_id_in_sync_group = replica_id_in_sync_group
-        self._local_replica_id = local_replica_id
-        self._rendezvous = rendezvous if rendezvous is not None else Rendezvous(1)
-
-    @property
-    def strategy(self) -> "Strategy":
-        """The strategy this replica belongs to."""
-        return self._strategy
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """Replicas in sync across all workers."""
-        return self._strategy.num_replicas_in_sync
-
-    @property
-    def replica_id_in_sync_group(self) -> int:
-        """This replica's global id, in ``[0, num_replicas_in_sync)``."""
-        return self._replica_id_in_sync_group
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        """The device(s) this replica runs on."""
-        return (self._strategy.extended._local_devices[self._local_replica_id],)
-
-    def _meet(self, kind: str, payload: Any, fn: Callable[[list], Sequence[Any]]) -> Any:
-        return self._rendezvous.meet(self._local_replica_id, kind, payload, fn)
-
-    def _require_current(self) -> None:
-        """Raise unless this context is the current one (TF's ``require_replica_context``)."""
-        frame = context.current_frame()
-        if frame.replica_context is self:
-            return
-        if frame.replica_context is None:
-            raise RuntimeError("Need to be inside `call_for_each_replica()`: this ReplicaContext was used in "
-                               "cross-replica context (e.g. captured and called from a merge_call's merge_fn).")
-        if frame.strategy is self._strategy:
-            raise RuntimeError("Mismatching ReplicaContext: a ReplicaContext was used outside the replica it "
-                               "belongs to; call mpistrat.get_replica_context() in the replica function instead.")
-        raise RuntimeError(f"Mismatching tf.distribute.Strategy objects: {frame.strategy} is not {self._strategy}.")
-
-    def merge_call(self, merge_fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
-        """Pause all replicas, run ``merge_fn(strategy, *args)`` once in cross-replica context.
-
-        Arguments are regrouped (``PerReplica`` where replicas passed different
-        values); each replica gets its own component of the result.
-        """
-        self._require_current()
-        kwargs = kwargs or {}
-        strategy = self._strategy
-
-        def run_merge(payloads: list) -> list:
-            # As tf.distribute: replica 0's merge_fn runs, with every replica's arguments regrouped.
-            grouped_args, grouped_kwargs = regroup([(p[1], p[2]) for p in payloads],
-                                                   what="passed merge_call arguments")
-            frame = Frame(strategy, None)
-            context.push(frame)
-            try:
-                result = payloads[0][0](strategy, *grouped_args, **grouped_kwargs)
-            finally:
-                context.pop(frame)
-            return [select_replica(i, result) for i in range(len(payloads))]
-
-        return self._meet("merge_call", (merge_fn, tuple(args), dict(kwargs)), run_merge)
-
-    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
-        """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""
-        self._require_current()
-        op = ReduceOp.from_string(reduce_op)
-        ext = self._strategy.extended
-        if self._rendezvous.n == 1:
-            # A lone replica reducing an array or a flat list or tuple of arrays (the common cases):
-            # nobody to meet, no structure to walk.
-            kind = type(value)
-            if kind is np.ndarray:
-                return ext._cross_device_ops.batch_all_reduce(op, [[value]], ext._local_devices, options)[0][0]
-            if (kind is list or kind is tuple) and value and set(map(type, value)) == _NDARRAY:
-                return kind(ext._cross_device_ops.batch_all_reduce(op, [list(value)], ext._local_devices, options)[0])
-        flat = _replica_leaves("all_reduce", value)
-
-        def run_reduce(payloads: list) -> list:
-            _check_agree("all_reduce", "reduce ops", [p[0].name for p in payloads])
-            leaves = [p[1] for p in payloads]
-            _check_same_leaves("all_reduce", leaves)
-            return ext._cross_device_ops.batch_all_reduce(op, leaves, ext._local_devices, options)
-
-        reduced = self._meet("all_reduce", (op, flat), run_reduce)
-        return nest.pack_sequence_as(value, reduced)
-
-    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
-        """Concatenate every replica's ``value`` along ``axis``, in global replica order."""
-        self._require_current()
-        ext = self._strategy.extended
-        flat = _replica_leaves("all_gather", value)
-
-        def run_gather(payloads: list) -> list:
-            _check_agree("all_gather", "axes", [p[0] for p in payloads])
-            leaves = [p[1] for p in payloads]
-            _check_same_leaves("all_gather", leaves)
-            gathered = [ext._gather_leaf([p[j] for p in leaves], axis, options) for j in range(len(leaves[0]))]
-            return [[dev.to_device(g, d, copy=i > 0) for g in gathered] for i, d in enumerate(ext._local_devices)]
-
-        return nest.pack_sequence_as(value, self._meet("all_gather", (axis, flat), run_gather))
-
-    def __repr__(self) -> str:
-        return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, strategy={self._strategy!r})"
-
-
-_NDARRAY = {np.ndarray}
-_PLAIN_LEAVES = frozenset((np.ndarray, float, int, bool, np.float32, np.float64, np.int32, np.int64))
-
-
-def _replica_leaves(kind: str, value: Any) -> list:
-    """The leaves of a replica's ``value``; variables read as this replica's copy (one walk, no copies)."""
-    flat = nest.flatten(value)
-    if set(map(type, flat)) <= _PLAIN_LEAVES:  # arrays and numbers (the common case): nothing to read
-        return flat
-    for j, leaf in enumerate(flat):
-        if isinstance(leaf, DistributedValues):
-            if not getattr(leaf, "_is_variable", False):
-                raise ValueError(f"{kind} in replica context takes this replica's values; got a "
-                                 f"{type(leaf).__name__}, a DistributedValues (pass it through strategy.run to "
-                                 "unwrap it per replica).")
-            flat[j] = leaf.value()
-        elif getattr(leaf, "_is_variable", False):
-            flat[j] = leaf.value()
-    return flat
-
-
-def _check_same_leaves(kind: str, payloads: list) -> None:
-    counts = [len(p) for p in payloads]
-    if len(set(counts)) != 1:
-        raise ValueError(f"Replicas passed structures with different numbers of values to {kind}: {counts}")
-
-
-def _check_agree(kind: str, what: str, per_replica: list) -> None:
-    """Raise naming every replica's choice when the local replicas passed different ``what`` to ``kind``."""
-    if any(v != per_replica[0] for v in per_replica[1:]):
-        detail = ", ".join(f"replica {i}: {v!r}" for i, v in enumerate(per_replica))
-        raise ValueError(f"Replicas called {kind} with different {what} ({detail}); every replica must pass "
-                         "the same one.")
 
 
 class _StrategyScope:
@@ -640,12 +451,12 @@ class Strategy:
                 return ext._reduce(op, value)
             if op is ReduceOp.MEAN:
                 # The global mean along the axis: global sum / global count, not a mean of means.
-                numer, denom = self._per_replica(lambda v: _sum_and_count(v, axis), value)
+                numer, denom = self._per_replica(lambda v: sum_and_count(v, axis), value)
                 numer, denom = ext.batch_reduce_to(
                     ReduceOp.SUM, [(numer, ext._host_device), (denom, ext._host_device)])
                 numer = np.asarray(numer)
                 return numer / np.asarray(denom).astype(numer.dtype if numer.dtype.kind in "fc" else np.float64)
-            return ext._reduce(op, self._per_replica(lambda v: _reduce_along(op, v, axis), value))
+            return ext._reduce(op, self._per_replica(lambda v: reduce_along(op, v, axis), value))
 
     def _per_replica(self, fn: Callable[[Any], Any], value: Any) -> Any:
         """``fn`` applied to each local replica's part of ``value`` on its device, regrouped (no replica threads)."""

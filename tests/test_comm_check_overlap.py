@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat.comm import backends
-from mpistrat.comm import communicator as communicator_module
+from mpistrat.comm import allreduce_steps
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
 from mpistrat.comm.safety import CollectiveMismatchError, CollectiveTimeoutError
@@ -59,13 +59,13 @@ def _record_order(rc: RankCommunicator, monkeypatch: pytest.MonkeyPatch) -> list
 
 def _pack_slowly(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Make this rank's packing of a bucket (staging, between start and finish of the check) slow."""
-    pack = communicator_module.pack
+    pack = allreduce_steps.pack
 
     def pack_slowly(*args, **kwargs):
         time.sleep(seconds)
         return pack(*args, **kwargs)
 
-    monkeypatch.setattr(communicator_module, "pack", pack_slowly)
+    monkeypatch.setattr(allreduce_steps, "pack", pack_slowly)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -113,7 +113,7 @@ def test_an_error_while_staging_finishes_the_check_on_every_rank(shm_rc, monkeyp
     def failing_pack(*args, **kwargs):
         raise RuntimeError("staging failed")
 
-    monkeypatch.setattr(communicator_module, "pack", failing_pack)
+    monkeypatch.setattr(allreduce_steps, "pack", failing_pack)
     with pytest.raises(RuntimeError, match="staging failed"):
         rc.allreduce(arrays, "sum")
     assert not rc._guard.started, "the check must not stay open"
@@ -142,7 +142,7 @@ def test_a_late_rank_on_a_repeated_call_times_out_the_waiting_ranks(shm_rc):
 @pytest.mark.mpi(min_size=2)
 def test_a_repeated_call_above_the_overlap_limit_checks_before_staging(shm_rc, monkeypatch):
     events = _record_order(shm_rc, monkeypatch)
-    count = (communicator_module._OVERLAP_MAX_BYTES + (1 << 20)) // 4  # float32, above the limit
+    count = (allreduce_steps.OVERLAP_MAX_BYTES + (1 << 20)) // 4  # float32, above the limit
     for _ in range(2):
         out = shm_rc.allreduce([np.full(count, 1.0, np.float32)], "sum")
         assert np.all(out[0] == shm_rc.size)

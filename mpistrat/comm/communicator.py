@@ -43,20 +43,20 @@ from .backends import (
     MpiAllreduceBackend,
     mpi_datatype,
     select_backends,
-    stages_locally,
 )
+from .allreduce_steps import CAI, CUPY, HOST, Step, overlaps_check, require_same_pack, run_steps
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
-from .fusion import Bucket, ResultPool, pack, plan_buckets
+from .fusion import Bucket, pack, plan_buckets
 from .lifetime import Resources, release_dropped, track
 from .options import CommunicationOptions
 from .. import timeline
-from .safety import AgreementGuard, CollectiveError, CollectiveMismatchError
+from .errors import CollectiveError
+from .safety import AgreementGuard
 from .signatures import CallKey, fingerprint
 
 __all__ = ["RankCommunicator", "normalize_op"]
 
-_HOST, _CUPY, _CAI = 0, 1, 2
-_KIND_NAMES = {_HOST: "NumPy", _CUPY: "CuPy", _CAI: "__cuda_array_interface__"}
+_KIND_NAMES = {HOST: "NumPy", CUPY: "CuPy", CAI: "__cuda_array_interface__"}
 _SCALARS = (int, float, complex, np.generic)
 _PLAN_CACHE_MAX = 512
 _DTYPE_STR: dict = {}  # dtype -> dtype.str (the attribute builds a new string on every access)
@@ -119,60 +119,6 @@ def _traced(name: str) -> Callable:
     return wrap
 
 
-class _Step:
-    """One bucket of an all-reduce plan and how it is reduced."""
-
-    __slots__ = ("bucket", "kind", "backend", "xp", "direct", "pool", "members", "_src", "_src_views")
-
-    def __init__(self, bucket: Bucket, kind: int, backend: Any, xp: Any) -> None:
-        self.bucket = bucket
-        self.kind = kind
-        self.backend = backend
-        self.xp = xp
-        self.members = bucket.members
-        self.direct = len(bucket.members) == 1 and hasattr(backend, "allreduce_array")
-        self.pool = ResultPool(bucket, xp) if kind != _CAI else None
-        self._src: Any = None
-        self._src_views: list = []
-
-    def source_views(self, flat: Any) -> list:
-        """The members' views of ``flat`` (a reduced bucket starting at offset 0 of
-        its buffer), cached while the buffer stays the same."""
-        base = flat.base if flat.base is not None else flat
-        if base is not self._src:
-            b = self.bucket
-            self._src = base
-            self._src_views = [flat[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
-        return self._src_views
-
-
-# A repeated call overlaps its agreement check with staging only for host buckets up to this size:
-# while it stages, a rank makes no MPI progress and answers no peer's query, so staging must stay far
-# shorter than the grace period a timed-out peer waits (0.5 s by default; a 4 MiB copy takes about
-# 1 ms here). Device buckets never overlap (their staging waits for the GPU, for as long as it takes).
-_OVERLAP_MAX_BYTES = 4 << 20
-
-
-def _require_same_pack(packs: np.ndarray) -> None:
-    """Raise (on every rank: all see the same values) unless every rank fuses with the same bucket size.
-
-    Buckets cut at different sizes mean different collective calls: the bucket size travels in
-    the agreement check's ``aux``.
-    """
-    if packs.min() != packs.max():
-        detail = "; ".join(f"rank {r}: {int(p)}" for r, p in enumerate(packs))
-        raise CollectiveMismatchError(
-            f"Mismatched allreduce bytes_per_pack ({detail}): the ranks would fuse different buckets; "
-            "pass the same CommunicationOptions on every rank"
-        )
-
-
-def _overlaps_check(first: _Step | None) -> bool:
-    """Whether a call whose first step is ``first`` may overlap its check with staging that step."""
-    return (first is not None and first.kind == _HOST and first.bucket.nbytes <= _OVERLAP_MAX_BYTES
-            and stages_locally(first.backend))
-
-
 class RankCommunicator:
     """Cross-rank collectives over a duplicate of ``comm`` (collective to create).
 
@@ -203,7 +149,7 @@ class RankCommunicator:
         # Dropped without close(): released at the next collective point (lifetime.py).
         self._resources = Resources(self.comm, self._guard, self._host_backends)
         self._finalizer = track(self, self._resources)
-        self._plans: dict[Any, list[_Step]] = {}
+        self._plans: dict[Any, list[Step]] = {}
         self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._check_span = (0.0, 0.0)  # timeline: the last check's (start, end)
         self._closed = False
@@ -273,16 +219,16 @@ class RankCommunicator:
                     code = _DTYPE_STR[dt] = dt.str
                 sig.append((a.shape, code))
                 if kinds is not None:
-                    kinds.append(_HOST)
+                    kinds.append(HOST)
                 continue
             if kinds is None:
-                kinds = [_HOST] * i
+                kinds = [HOST] * i
             if isinstance(a, np.ndarray):
                 sig.append((a.shape, a.dtype.str))
-                kinds.append(_HOST)
+                kinds.append(HOST)
             elif is_cupy_array(a):
                 sig.append((tuple(a.shape), a.dtype.str, "CuPy"))
-                kinds.append(_CUPY)
+                kinds.append(CUPY)
             elif is_device_buffer(a):
                 shape, dtype, contiguous = _cai_info(a)
                 if not inplace:
@@ -298,27 +244,21 @@ class RankCommunicator:
                         "CUDA-aware (set MPISTRAT_CUDA_AWARE=1 if it is); use CuPy arrays for host staging"
                     )
                 sig.append((shape, dtype.str, "CUDA buffer"))
-                kinds.append(_CAI)
+                kinds.append(CAI)
             elif isinstance(a, _SCALARS) and not isinstance(a, bool):
                 if inplace:
                     return (), None, TypeError(f"allreduce(inplace=True): item #{i} is a scalar {a!r}, not an array")
                 arrays[i] = a = np.asarray(a)
                 sig.append((a.shape, a.dtype.str))
-                kinds.append(_HOST)
+                kinds.append(HOST)
             else:
                 return (), None, TypeError(
                     f"allreduce: item #{i} is a {type(a).__name__}; expected NumPy or CuPy arrays or numbers"
                 )
         return tuple(sig), (tuple(kinds) if kinds is not None else None), None
 
-    def _plan(
-        self, h: int, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int, inplace: bool = False
-    ) -> list[_Step]:
-        # h, the call's fingerprint, stands for (op, sig): a cheap dictionary key.
-        cache_key = (h, kinds, pack_bytes, inplace)
-        steps = self._plans.get(cache_key)
-        if steps is not None:
-            return steps
+    def _plan(self, cache_key: tuple, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[Step]:
+        """The steps of an all-reduce not planned before, filed under ``cache_key`` (checks its dtypes)."""
         op = normalize_op(op)
         for i, entry in enumerate(sig):
             dtype = np.dtype(entry[1])
@@ -329,13 +269,13 @@ class RankCommunicator:
             if dtype.kind == "c" and op != "sum":
                 raise TypeError(f"allreduce: op {op!r} is not defined for complex array #{i} ({dtype})")
             mpi_datatype(dtype)  # ValueError when MPI has no such type
-        kinds_list = kinds if kinds is not None else (_HOST,) * len(sig)
+        kinds_list = kinds if kinds is not None else (HOST,) * len(sig)
         steps = []
-        for kind in (_HOST, _CUPY, _CAI):
+        for kind in (HOST, CUPY, CAI):
             index = [i for i, k in enumerate(kinds_list) if k == kind]
             if not index:
                 continue
-            if kind == _CAI:
+            if kind == CAI:
                 # One direct call per buffer: nothing to pack them with.
                 buckets = [self._single_bucket(i, sig[i][:2]) for i in index]
             else:
@@ -345,15 +285,15 @@ class RankCommunicator:
                     for b in sub
                 ]
             for b in buckets:
-                if kind == _HOST:
+                if kind == HOST:
                     # The first enabled backend (shared memory, MPI), for one array too:
                     # both take one contiguous array unpacked (allreduce_array).
                     backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
                     xp = np
                 else:
                     backend = self._device()
-                    xp = sys.modules.get("cupy") if kind == _CUPY else None
-                steps.append(_Step(b, kind, backend, xp))
+                    xp = sys.modules.get("cupy") if kind == CUPY else None
+                steps.append(Step(b, kind, backend, xp))
         if len(self._plans) >= _PLAN_CACHE_MAX:
             self._plans.clear()
         self._plans[cache_key] = steps
@@ -390,32 +330,34 @@ class RankCommunicator:
         h = fingerprint(key)
         traced = timeline.enabled()
         guard = self._guard
-        if guard is not None and not traced:
-            steps = self._plans.get((h, kinds, pack_bytes, inplace))
-            if steps is not None and _overlaps_check(steps[0] if steps else None):
-                return self._allreduce_overlapped(guard, key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
+        # h, the call's fingerprint, stands for (op, sig): a cheap dictionary key.
+        plan_key = (h, kinds, pack_bytes, inplace)
+        steps = self._plans.get(plan_key)
+        if steps and guard is not None and not traced and overlaps_check(steps[0]):
+            return self._allreduce_overlapped(guard, key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
         t0 = timeline.now_us() if traced else 0.0
         packs = self._check(key, timeout, pack_bytes, h)
         if packs is not None:
-            _require_same_pack(packs)
-        steps = self._plan(h, sig, kinds, opname, pack_bytes, inplace)
+            require_same_pack(packs)
+        if steps is None:
+            steps = self._plan(plan_key, sig, kinds, opname, pack_bytes)
         if traced:
             try:
-                return self._allreduce_steps(steps, arrays, opname, inplace)
+                return self._run_steps(steps, arrays, opname, inplace)
             finally:
                 nbytes = sum(s.bucket.nbytes for s in steps)
                 self._record("allreduce", t0, nbytes, op=opname, arrays=len(arrays), buckets=len(steps))
-        return self._allreduce_steps(steps, arrays, opname, inplace)
+        return self._run_steps(steps, arrays, opname, inplace)
 
     def _allreduce_overlapped(
-        self, guard: AgreementGuard, key: CallKey, timeout: float, h: int, pack_bytes: int, steps: list[_Step],
+        self, guard: AgreementGuard, key: CallKey, timeout: float, h: int, pack_bytes: int, steps: list[Step],
         arrays: list, opname: str, inplace: bool,
     ) -> list:
         """A call planned before (so staged before: no window to grow): the check's wait for the other
         ranks overlaps this rank's staging of its first bucket (see _allreduce_steps)."""
         guard.start(key, timeout, pack_bytes, h)
         try:
-            results = self._allreduce_steps(steps, arrays, opname, inplace, self._finish_check)
+            results = self._run_steps(steps, arrays, opname, inplace, self._finish_check)
         except BaseException:
             if guard.started:  # failed before the check finished: finish it, never leave it open
                 guard.finish()
@@ -426,81 +368,17 @@ class RankCommunicator:
                                "called it: the agreement check finished only after the data moved")
         return results
 
+    def _run_steps(
+        self, steps: list[Step], arrays: list, opname: str, inplace: bool, ready: Callable[[], Any] | None = None
+    ) -> list:
+        if self.size == 1:
+            return arrays if inplace else [a.copy() for a in arrays]
+        return run_steps(steps, arrays, opname, inplace, self._scratch, ready)
+
     def _finish_check(self) -> None:
         """Finish the started agreement check of an all-reduce (its ``ready``)."""
         assert self._guard is not None
-        _require_same_pack(self._guard.finish())
-
-    def _allreduce_steps(
-        self, steps: list[_Step], arrays: list, opname: str, inplace: bool, ready: Callable[[], Any] | None = None
-    ) -> list:
-        """Run the planned steps. ``ready`` (the second half of a started agreement check) is called
-        once this rank has staged its first step's data, before anything that needs the other ranks:
-        by the backend for a single array (``allreduce_array``'s ``ready``), here after packing."""
-        if self.size == 1:
-            if inplace:
-                return arrays
-            return [a.copy() for a in arrays]
-        results = arrays if inplace else [None] * len(arrays)
-        for step in steps:
-            b = step.bucket
-            backend = step.backend
-            if step.direct:
-                a = arrays[b.members[0]]
-                write_back = None
-                if step.kind == _CAI:
-                    src, dst = MPI.IN_PLACE, a
-                elif inplace:
-                    # Every rank takes this path whatever its array's memory layout (the ranks agree on
-                    # shapes and dtypes, not on strides), so all make the same collective calls: a strided
-                    # array goes through a contiguous copy.
-                    src, dst = MPI.IN_PLACE, a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
-                    write_back = None if dst is a else a
-                else:
-                    src = a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
-                    dst = results[b.members[0]] = step.pool.get()[1][0]
-                if ready is None:
-                    backend.allreduce_array(src, dst, opname)
-                else:  # only backends that stage locally (backends.stages_locally) get it
-                    backend.allreduce_array(src, dst, opname, ready)
-                    ready = None
-                if write_back is not None:
-                    step.xp.copyto(write_back, dst)
-                continue
-            xp = step.xp
-            buf = backend.pack_buffer(b.count, b.dtype)
-            pack(arrays, b, buf, xp)
-            if ready is not None:
-                ready()
-                ready = None
-            to = getattr(backend, "allreduce_packed_to", None)
-            if inplace:
-                if type(backend) is MpiAllreduceBackend or type(backend) is DeviceMpiAllreduceBackend:
-                    # offset 0 of the backend's own per-dtype buffer, reduced in place
-                    flat = backend.allreduce_packed(b.count, b.dtype, opname)[0][1]
-                else:  # reduce into one scratch bucket first: one copy per piece, not per array
-                    flat = self._scratch.get(b.count, b.dtype) if xp is np else xp.empty(b.count, b.dtype)
-                    if to is not None:
-                        to(b.count, b.dtype, opname, flat)
-                    else:
-                        for start, piece in backend.allreduce_packed(b.count, b.dtype, opname):
-                            flat[start : start + piece.shape[0]] = piece
-                copyto = xp.copyto
-                for i, src in zip(b.members, step.source_views(flat)):
-                    copyto(arrays[i], src)
-                continue
-            block, views = step.pool.get()
-            if to is not None:
-                to(b.count, b.dtype, opname, block)
-            else:
-                # The result views lie in ``block`` laid out as the bucket: copy pieces whole.
-                for start, piece in backend.allreduce_packed(b.count, b.dtype, opname):
-                    block[start : start + piece.shape[0]] = piece
-            for i, v in zip(b.members, views):
-                results[i] = v
-        if ready is not None:  # no steps (no arrays)
-            ready()
-        return results
+        require_same_pack(self._guard.finish())
 
     # ------------------------------------------------------------------ all-gather
 
@@ -571,7 +449,7 @@ class RankCommunicator:
             sig, kinds = (), None
         else:
             sig, kinds, error = self._signature(arrays, inplace=False)
-            if error is None and kinds is not None and _CAI in kinds:
+            if error is None and kinds is not None and CAI in kinds:
                 error = TypeError("broadcast: buffers with only __cuda_array_interface__ are not supported")
         key = ("broadcast", (("root", int(root) if error is None else repr(root)),), sig)
         self._agree_or_raise(key, error, timeout)
@@ -579,10 +457,10 @@ class RankCommunicator:
             mpi_datatype(np.dtype(entry[1]))
         if self.size == 1:
             return [a.copy() for a in arrays]
-        kinds_list = kinds if kinds is not None else (_HOST,) * len(sig)
+        kinds_list = kinds if kinds is not None else (HOST,) * len(sig)
         results: list = [None] * len(arrays)
-        host_index = [i for i, k in enumerate(kinds_list) if k == _HOST]
-        device_index = [i for i, k in enumerate(kinds_list) if k == _CUPY]
+        host_index = [i for i, k in enumerate(kinds_list) if k == HOST]
+        device_index = [i for i, k in enumerate(kinds_list) if k == CUPY]
         if host_index:
             got = self._bcast_list([arrays[i] for i in host_index], root, pack_bytes, np)
             for i, v in zip(host_index, got):

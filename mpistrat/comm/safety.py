@@ -1,4 +1,4 @@
-"""Never hang, never corrupt: agreement checks, timeouts, abort-on-exception.
+"""Never hang, never corrupt: agreement checks and timeouts (the errors: errors.py).
 
 Every cross-rank call of a :class:`~mpistrat.comm.communicator.RankCommunicator`
 first runs :meth:`AgreementGuard.check`: one tiny non-blocking collective on
@@ -60,23 +60,22 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from .errors import (  # noqa: F401  (CollectiveError: importable from here, as before)
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    PeerExitedError,
+)
 from .signatures import CallKey, describe_call, fingerprint, format_mismatch, format_ranks
 from .stall import STALL_SHUTDOWN_ENV, format_stall, report_stall, stall_settings
 
-__all__ = [
-    "CollectiveError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
-    "CommunicatorBrokenError",
-    "PeerExitedError",
-    "AgreementGuard",
-    "GRACE_ENV",
-]
+__all__ = ["AgreementGuard", "GRACE_ENV"]  # the error classes: errors.py (still importable from here)
 
 GRACE_ENV = "MPISTRAT_TIMEOUT_GRACE_SECONDS"
 
@@ -84,66 +83,6 @@ _SPIN_SECONDS = 2e-4
 _YIELD_SECONDS = 0.05
 _MAX_SLEEP = 1e-3
 _TAG_QUERY, _TAG_REPLY, _TAG_ABANDON, _TAG_RESOLVED, _TAG_EXITED = 1, 2, 3, 4, 5
-
-
-
-class CollectiveError(RuntimeError):
-    """Base class of the errors raised by cross-rank collectives."""
-
-
-class CollectiveMismatchError(CollectiveError):
-    """The ranks called a collective with different ops, shapes or dtypes.
-
-    ``signatures`` holds what each rank sent (index = rank).
-    """
-
-    def __init__(self, message: str, signatures: Sequence[CallKey] = ()) -> None:
-        super().__init__(message)
-        self.signatures = list(signatures)
-
-
-class CollectiveTimeoutError(CollectiveError):
-    """A collective waited longer than its timeout.
-
-    ``missing_ranks`` are the ranks that never arrived (empty on a rank that
-    arrived late and found the collective abandoned; ``abandoned_by`` names
-    the ranks that gave up then).
-    """
-
-    def __init__(self, message: str, missing_ranks: Sequence[int] = (), abandoned_by: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.missing_ranks = list(missing_ranks)
-        self.abandoned_by = list(abandoned_by)
-
-
-class CommunicatorBrokenError(CollectiveError):
-    """A communicator was used after one of its collectives timed out."""
-
-
-class PeerExitedError(CollectiveError):
-    """A collective can never complete: ``exited_ranks`` ended their programs without joining it."""
-
-    def __init__(self, message: str, exited_ranks: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.exited_ranks = list(exited_ranks)
-
-
-def allgather_checked(comm: Any, value: Any, error: BaseException | None, what: str) -> list:
-    """Collective over ``comm``: every rank's ``value``, in rank order, unless a rank had an ``error``.
-
-    Then ``error`` is raised where it happened and a ValueError naming the
-    failed ranks everywhere else. For per-rank input checked before a
-    constructor's first collective, so a bad value on one rank cannot leave the
-    others waiting in it; one collective both reports the errors and shares the
-    values.
-    """
-    gathered = comm.allgather((None, value) if error is None else (f"{type(error).__name__}: {error}", None))
-    if error is not None:
-        raise error
-    failed = [rank for rank, (message, _) in enumerate(gathered) if message is not None]
-    if failed:
-        raise ValueError(f"{what} failed on rank(s) {failed}: {gathered[failed[0]][0]}")
-    return [v for _, v in gathered]
 
 
 # --------------------------------------------------------------------------- the guard
@@ -276,9 +215,10 @@ class AgreementGuard:
         values = self._recv.tolist()
         # A peer whose deadline passed before we arrived has timed out: it
         # sends a verdict (RESOLVED or ABANDON) that we must wait for.
-        if late or min(values[2::3]) < arrival:
+        earliest = min(values[2::3])
+        if late or earliest < arrival:
             self._settle(key, timeout, values, arrival)
-        elif min(values[2::3]) < resumed:
+        elif earliest < resumed:
             # A peer's deadline passed while we staged: it may have timed out
             # (then it queried us, and its verdict is on the way) or completed
             # in time (then it sent nothing): wait only for those that queried.

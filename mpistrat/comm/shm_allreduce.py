@@ -83,7 +83,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import shm_calibration
-from .safety import allgather_checked
+from .errors import allgather_checked
 from .shm_calibration import AUTO_CHUNK_BYTES
 from .shm_settings import agree_settings, parse_bytes, read_settings
 from .shm_window import (
