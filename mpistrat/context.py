@@ -10,8 +10,7 @@ strategies only by duck typing, so it sits below ``distribute_lib``.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "get_strategy",
@@ -24,9 +23,8 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Frame:
-    """One entry of the context stack."""
+class Frame(NamedTuple):
+    """One entry of the context stack (immutable; a tuple, cheap to make once per step)."""
 
     strategy: Any
     replica_context: Any  # a ReplicaContext, or None in cross-replica mode

@@ -27,6 +27,7 @@ __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "HierarchicalCopyAllReduce"
            "select_cross_device_ops"]
 
 CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
+_NDARRAY_ONLY = {np.ndarray}
 _COMM_OPS = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 
 
@@ -195,7 +196,8 @@ class CrossDeviceOps:
             self._check_finite(per_replica)
         if num_local == 1:
             leaves = per_replica[0]
-            reduced = list(leaves) if set(map(type, leaves)) == {np.ndarray} else [_as_array(v) for v in leaves]
+            # The caller's list itself when it holds only arrays (nothing here writes to it).
+            reduced = leaves if set(map(type, leaves)) == _NDARRAY_ONLY else [_as_array(v) for v in leaves]
             owned = False
         else:
             reduced = [self._local_reduce(op, [per_replica[i][j] for i in range(num_local)], devices) for j in range(len(per_replica[0]))]

@@ -71,30 +71,34 @@ class _StrategyScope:
         self._frames: list[Frame | None] = []  # one entry per __enter__ (None: nothing was pushed)
 
     def __enter__(self) -> "Strategy":
-        strategy = self._strategy
-        frame = None
-        if strategy.extended._is_default:
-            if context.has_strategy():
-                raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
-        elif context.has_strategy():
-            current = context.current_frame()
-            if current.strategy is not strategy:
-                raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {current.strategy} is not "
-                                   f"{strategy}")
-            if not current.cross_replica:
-                raise RuntimeError("Method requires being in cross-replica context, use "
-                                   "get_replica_context().merge_call()")
-            # re-entering the same strategy's scope is allowed and changes nothing
-        else:
-            frame = Frame(strategy, None)
-            context.push(frame)
-        self._frames.append(frame)
-        return strategy
+        self._frames.append(_enter_scope(self._strategy))
+        return self._strategy
 
     def __exit__(self, *exc: Any) -> None:
         frame = self._frames.pop()
         if frame is not None:
             context.pop(frame)
+
+
+def _enter_scope(strategy: "Strategy") -> Frame | None:
+    """Make ``strategy`` current in cross-replica mode (TF's nesting rules); the frame pushed, if any."""
+    current = context.current_frame()
+    in_default = current.strategy is context.default_strategy()
+    if strategy._extended._is_default:
+        if not in_default:
+            raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
+        return None
+    if in_default:
+        frame = Frame(strategy, None)
+        context.push(frame)
+        return frame
+    if current.strategy is not strategy:
+        raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {current.strategy} is not "
+                           f"{strategy}")
+    if current.replica_context is not None:
+        raise RuntimeError("Method requires being in cross-replica context, use "
+                           "get_replica_context().merge_call()")
+    return None  # re-entering the same strategy's scope is allowed and changes nothing
 
 
 class StrategyExtended:
@@ -114,6 +118,7 @@ class StrategyExtended:
         self._container_strategy_obj = container_strategy
         self._local_devices = tuple(canonical)
         self._num_local = len(canonical)
+        self._all_cpu = not any(dev.is_gpu(d) for d in canonical)  # no device to make current in a replica
         self._communicator = communicator
         self._worker_index = worker_index
         self._num_workers = num_workers
@@ -178,9 +183,17 @@ class StrategyExtended:
     def call_for_each_replica(self, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
         """Run ``fn`` once per local replica in its replica context; regroup the results."""
         kwargs = kwargs or {}
-        strategy = self._container_strategy()
+        strategy = self._container_strategy_obj
         # A run from inside a step (a merge_fn calling strategy.run) gets replica threads of its own.
         nested = self._group.in_step()
+        if self._num_local == 1 and not nested:  # the common multi-worker case: this thread is the replica
+            if (args and contains_distributed(args)) or (kwargs and contains_distributed(kwargs)):
+                self._check_distributed_args((args, kwargs))
+                args, kwargs = select_replica(0, list(args)), select_replica(0, kwargs)
+            group = self._group
+            frame = Frame(strategy, ReplicaContext(strategy, self._worker_index, 0, group.rendezvous))
+            scope = None if self._all_cpu else self._device_scope(self._local_devices[0])
+            return group.run_alone(fn, frame, scope, args, kwargs)
         group = ReplicaGroup(self._num_local, self._step_marker) if nested else self._group
         try:
             frames = [[Frame(strategy, ReplicaContext(strategy, self._global_replica_id(i), i, group.rendezvous))]
@@ -201,7 +214,7 @@ class StrategyExtended:
         if cached is not None:
             return cached
         scopes = [self._device_scope(d) for d in self._local_devices]
-        if not any(dev.is_gpu(d) for d in self._local_devices):
+        if self._all_cpu:
             self._cpu_scopes = scopes  # nullcontexts: stateless, reusable by every step
         return scopes
 
@@ -435,12 +448,16 @@ class Strategy:
             raise ValueError(f"`args` to `run` must be a list or tuple, got {type(args).__name__}: {args!r}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"`kwargs` to `run` must be a dict, got {type(kwargs).__name__}")
-        with self.scope():
+        frame = _enter_scope(self)  # what `with self.scope()` does, without the scope object
+        try:
             if not timeline.enabled():
                 return self._extended.call_for_each_replica(fn, args, kwargs)
             with timeline.span("run", "step", fn=getattr(fn, "__name__", "fn"),
                                replicas=self._extended._num_local):
                 return self._extended.call_for_each_replica(fn, args, kwargs)
+        finally:
+            if frame is not None:
+                context.pop(frame)
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None) -> Any:
         """Reduce ``value`` across replicas (and along ``axis`` within each replica) to the host."""

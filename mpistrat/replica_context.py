@@ -102,6 +102,8 @@ class ReplicaContext:
         flat = _replica_leaves("all_reduce", value)
         if self._rendezvous.n == 1:  # a lone replica: nobody to meet or to agree with, its leaves are the batch
             reduced = ext._cross_device_ops.batch_all_reduce(op, [flat], ext._local_devices, options)[0]
+            if flat is value:  # a flat list of plain leaves (see _replica_leaves): no structure to rebuild
+                return reduced
         else:
 
             def run_reduce(payloads: list) -> list:
@@ -136,9 +138,13 @@ _PLAIN_LEAVES = frozenset((np.ndarray, float, int, bool, np.float32, np.float64,
 
 
 def _replica_leaves(kind: str, value: Any) -> list:
-    """The leaves of a replica's ``value``; variables read as this replica's copy (one walk, no copies)."""
+    """The leaves of a replica's ``value``; variables read as this replica's copy (one walk, no copies).
+
+    A plain list of arrays and numbers (the common case) is returned as it is, not copied."""
+    if type(value) is list and set(map(type, value)) <= _PLAIN_LEAVES:  # one scan: flat and nothing to read
+        return value
     flat = nest.flatten(value)
-    if set(map(type, flat)) <= _PLAIN_LEAVES:  # arrays and numbers (the common case): nothing to read
+    if set(map(type, flat)) <= _PLAIN_LEAVES:  # arrays and numbers: nothing to read
         return flat
     for j, leaf in enumerate(flat):
         if isinstance(leaf, DistributedValues):

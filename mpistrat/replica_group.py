@@ -303,6 +303,25 @@ class ReplicaGroup:
                 raise exc
             return results
 
+    def run_alone(self, fn: Callable, frame: Any, device_scope: Any, args: Sequence[Any], kwargs: dict) -> Any:
+        """:meth:`run` for a group of one replica: ``fn(*args, **kwargs)`` in the calling thread with
+        ``frame`` pushed and ``device_scope`` (None: no device to make current) entered; its result,
+        not a list."""
+        with self._lock:
+            stack = context.thread_stack()
+            depth = len(stack)
+            stack.append(frame)
+            marker = self._marker
+            marker.depth = getattr(marker, "depth", 0) + 1
+            try:
+                if device_scope is None:
+                    return fn(*args, **kwargs)
+                with device_scope:
+                    return fn(*args, **kwargs)
+            finally:
+                marker.depth -= 1
+                del stack[depth:]
+
     def _call_in_replica(self, fn: Callable, frames: list, device_scope: Any, call_args: tuple) -> Any:
         """Call ``fn`` in the calling thread with a replica's context stack and device (a lone replica's
         whole step: no step state, no rendezvous to reset)."""

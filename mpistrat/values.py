@@ -19,7 +19,11 @@ class ReduceOp(enum.Enum):
     @staticmethod
     def from_string(op: "str | ReduceOp") -> "ReduceOp":
         """``ReduceOp.from_string("mean")`` -> ``ReduceOp.MEAN`` (case-insensitive)."""
-        if isinstance(op, ReduceOp):
+        if type(op) is str:
+            found = _OPS_BY_NAME.get(op)  # the exact spellings: one lookup on the hot path
+            if found is not None:
+                return found
+        elif isinstance(op, ReduceOp):
             return op
         if isinstance(op, str):
             try:
@@ -39,6 +43,9 @@ class ReduceOp(enum.Enum):
         raise ValueError(
             f"Could not convert from `VariableAggregation` {name} to `ReduceOp` type"
         )
+
+
+_OPS_BY_NAME = {spelling: op for op in ReduceOp for spelling in (op.value, op.value.lower())}
 
 
 class DistributedValues:

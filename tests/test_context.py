@@ -72,6 +72,42 @@ def test_scope_inside_run_raises():
         s.run(fn)
 
 
+@pytest.mark.parametrize("num_devices", [1, 2])
+def test_run_restores_the_context_after_the_step_raises(num_devices):
+    # One replica runs in the calling thread on the caller's context stack: an error must not leave
+    # the step's frame (or the strategy's scope) on it.
+    s = ms.MirroredStrategy([f"/cpu:{i}" for i in range(num_devices)])
+
+    def fn():
+        assert ms.get_strategy() is s and not ms.in_cross_replica_context()
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        s.run(fn)
+    assert not ms.has_strategy() and ms.get_replica_context().replica_id_in_sync_group == 0
+    with s.scope():
+        with pytest.raises(KeyError, match="boom"):
+            s.run(fn)
+        assert ms.get_strategy() is s and ms.in_cross_replica_context()
+    assert not ms.has_strategy()
+    ids = s.experimental_local_results(s.run(lambda: ms.get_replica_context().replica_id_in_sync_group))
+    assert ids == tuple(range(num_devices))
+
+
+def test_scope_inside_run_of_one_replica_raises():
+    s = ms.MirroredStrategy(["/cpu:0"])
+
+    def fn():
+        with s.scope():
+            pass
+
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        s.run(fn)
+    with pytest.raises(RuntimeError, match="Mixing different"):
+        ms.MirroredStrategy(["/cpu:0"]).run(lambda: s.run(lambda: None))
+    assert not ms.has_strategy()
+
+
 def test_contexts_inside_run():
     s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
     seen = s.run(lambda: (ms.has_strategy(), ms.in_cross_replica_context(), ms.get_strategy() is s,

@@ -123,6 +123,26 @@ def test_strategy_run_inside_merge_fn_runs_on_fresh_replica_threads():
     assert float(s.reduce("sum", s.run(lambda: np.float64(1.0)), axis=None)) == 2.0
 
 
+def test_strategy_run_inside_merge_fn_with_one_replica():
+    # One replica runs its step in the calling thread (ReplicaGroup.run_alone); a run inside its
+    # merge_fn is nested and gets a group of its own, and the context is the step's again afterwards.
+    s = make(1)
+
+    def merge_fn(strategy, x):
+        return strategy.run(lambda v: ms.get_replica_context().all_reduce("sum", v) * 10, args=(x,))
+
+    def step():
+        ctx = ms.get_replica_context()
+        out = ctx.merge_call(merge_fn, args=(np.float64(4.0),))
+        return out, ms.get_replica_context() is ctx
+
+    done, box = finishes(lambda: s.run(step))
+    assert done, "strategy.run inside merge_fn deadlocked"
+    assert "error" not in box, box.get("error")
+    assert float(box["result"][0]) == 40.0 and box["result"][1] is True
+    assert float(s.run(lambda: np.float64(2.0))) == 2.0 and not ms.has_strategy()
+
+
 # merge_call runs replica 0's merge_fn whatever the arrival order (as TF).
 @pytest.mark.parametrize("late", [0, 1])
 def test_merge_call_runs_replica_zero_merge_fn(late):

@@ -30,6 +30,7 @@ A communicator is used by one thread at a time.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 from typing import Any, Callable, Sequence
 
@@ -59,7 +60,20 @@ __all__ = ["RankCommunicator", "normalize_op"]
 _KIND_NAMES = {HOST: "NumPy", CUPY: "CuPy", CAI: "__cuda_array_interface__"}
 _SCALARS = (int, float, complex, np.generic)
 _PLAN_CACHE_MAX = 512
-_DTYPE_STR: dict = {}  # dtype -> dtype.str (the attribute builds a new string on every access)
+
+
+class _DtypeCodes(dict):
+    """dtype -> ``dtype.str``, filled on first use (the attribute builds a new string on every access)."""
+
+    def __missing__(self, dtype: np.dtype) -> str:
+        code = self[dtype] = dtype.str
+        return code
+
+
+_DTYPE_STR = _DtypeCodes()
+_NDARRAY_ONLY = {np.ndarray}
+_shape_of = operator.attrgetter("shape")
+_dtype_of = operator.attrgetter("dtype")
 
 
 def normalize_op(op: Any) -> str:
@@ -207,17 +221,15 @@ class RankCommunicator:
 
     def _signature(self, arrays: list, inplace: bool) -> tuple[tuple, tuple | None, Exception | None]:
         """Per-array ``(shape, dtype)`` signature, the arrays' kinds, a local error."""
+        if not inplace and set(map(type, arrays)) == _NDARRAY_ONLY:  # the common case, in C loops
+            return tuple(zip(map(_shape_of, arrays), map(_DTYPE_STR.__getitem__, map(_dtype_of, arrays)))), None, None
         sig = []
         kinds = None
         for i, a in enumerate(arrays):
             if type(a) is np.ndarray:
                 if inplace and not a.flags.writeable:
                     return (), None, ValueError(f"allreduce(inplace=True): array #{i} is read-only")
-                dt = a.dtype
-                code = _DTYPE_STR.get(dt)
-                if code is None:
-                    code = _DTYPE_STR[dt] = dt.str
-                sig.append((a.shape, code))
+                sig.append((a.shape, _DTYPE_STR[a.dtype]))
                 if kinds is not None:
                     kinds.append(HOST)
                 continue
