@@ -207,3 +207,28 @@ def test_different_bytes_per_pack_raise_on_every_rank(rc):
                            r"Mismatched allreduce bytes_per_pack", r"rank 0: 1600; rank 1: 800")
     out = rc.allreduce(arrays, "sum", same)
     assert all(np.all(o == rc.size * (rc.size + 1) / 2) for o in out)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_close_receives_the_messages_nobody_read(comm, monkeypatch):
+    # A peer's reply to a query whose collective completed meanwhile is never read (the querying rank
+    # stops listening once the collective completes). Left on the freed communicator, it would be
+    # delivered to the next communicator that reuses its context id: close() receives it first.
+    rc = RankCommunicator(comm)
+    guard = rc._guard
+    if comm.rank == 1:
+        guard._query.isend(((guard.index, 1, 1), None), dest=0, tag=2).wait()  # a reply nobody waits for
+    rc.barrier()
+    if comm.rank == 0:
+        assert guard._query.iprobe(source=1, tag=2), "the stray reply should be waiting on rank 0"
+    left = []
+    drain = guard._drain_queries
+
+    def drain_and_look():
+        drain()
+        left.append(guard._query.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG))
+
+    monkeypatch.setattr(guard, "_drain_queries", drain_and_look)
+    rc.close()
+    assert left == [False]

@@ -238,12 +238,26 @@ class AgreementGuard:
         if self.broken is None:
             if self._persistent is not None:
                 self._persistent.Free()
+            self._drain_queries()
             for c in (self._ctl, self._query):
                 if c != MPI.COMM_NULL:
                     c.Free()
         self._ctl = self._query = MPI.COMM_NULL
         if self.broken is None:
             self.broken = "this communicator was closed"
+
+    def _drain_queries(self) -> None:
+        """Receive what peers sent that nobody will read (a reply to a query whose collective completed
+        meanwhile, a late verdict): a message left on a freed communicator would be delivered to the
+        next communicator that reuses its context id. Called after a completed collective (close's
+        check): the peers' sends, flushed before they arrived, are here by now."""
+        self._flush_sends()
+        status = MPI.Status()
+        while True:
+            msg = self._query.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if msg is None:
+                return
+            msg.recv()
 
     # ---------------------------------------------------------------- waiting
 
