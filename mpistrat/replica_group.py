@@ -308,33 +308,24 @@ class ReplicaGroup:
         ``frame`` pushed and ``device_scope`` (None: no device to make current) entered; its result,
         not a list."""
         with self._lock:
-            stack = context.thread_stack()
-            depth = len(stack)
-            stack.append(frame)
-            marker = self._marker
-            marker.depth = getattr(marker, "depth", 0) + 1
-            try:
-                if device_scope is None:
-                    return fn(*args, **kwargs)
-                with device_scope:
-                    return fn(*args, **kwargs)
-            finally:
-                marker.depth -= 1
-                del stack[depth:]
+            return self._call_in_replica(fn, (frame,), device_scope, (args, kwargs))
 
-    def _call_in_replica(self, fn: Callable, frames: list, device_scope: Any, call_args: tuple) -> Any:
-        """Call ``fn`` in the calling thread with a replica's context stack and device (a lone replica's
-        whole step: no step state, no rendezvous to reset)."""
-        saved = context.thread_stack()
-        context.set_thread_stack(saved + list(frames))
+    def _call_in_replica(self, fn: Callable, frames: Sequence[Any], device_scope: Any, call_args: tuple) -> Any:
+        """Call ``fn(*call_args[0], **call_args[1])`` in this thread with ``frames`` on its context stack
+        and ``device_scope`` (None: no device to make current) entered; the stack is as before after."""
+        stack = context.thread_stack()
+        depth = len(stack)
+        stack.extend(frames)
         marker = self._marker
         marker.depth = getattr(marker, "depth", 0) + 1
         try:
+            if device_scope is None:
+                return fn(*call_args[0], **call_args[1])
             with device_scope:
                 return fn(*call_args[0], **call_args[1])
         finally:
             marker.depth -= 1
-            context.set_thread_stack(saved)
+            del stack[depth:]
 
     def close(self) -> None:
         """Stop the replica threads (each after its current job)."""
