@@ -28,7 +28,9 @@ Timing: warm-up first; then every iteration starts with a barrier, each rank
 times the call, the slowest rank's time counts, and the median over
 iterations is reported. The measured functions run interleaved on the same
 buffers, in an order that rotates every iteration, so they see the same
-machine state.
+machine state. Each ratio is given twice: ``ratio`` from the medians, and
+``pair``, the median of the per-iteration ratios of calls made back to back
+(robust to a machine that changes speed during the run; see paired_ratio).
 
 To add a column, add a function ``setup(ctx, buf) -> callable`` to
 :data:`MEASURED`.
@@ -134,7 +136,23 @@ def human(nbytes: int) -> str:
 
 
 def timed(world: MPI.Comm, fns: list[Callable[[], Any]], iters: int) -> list[float]:
-    """Median (over iterations) of the slowest rank's time of each function, interleaved.
+    """Median (over iterations) of the slowest rank's time of each function, interleaved (see samples)."""
+    times = samples(world, fns, iters)
+    return [statistics.median(times[:, j]) for j in range(len(fns))]
+
+
+def paired_ratio(times: np.ndarray, j: int) -> float:
+    """Median over iterations of ``time of function 0 / time of function j`` in the same iteration.
+
+    Each pair ran back to back, so it compares the two in the same machine
+    state; a machine that switches speed during the run (this VM does, by 3x
+    and more) moves the median of each column, but much less the paired ratio.
+    """
+    return float(np.median(times[:, 0] / times[:, j]))
+
+
+def samples(world: MPI.Comm, fns: list[Callable[[], Any]], iters: int) -> np.ndarray:
+    """``[iteration, function]``: the slowest rank's time of each call, the functions interleaved.
 
     The order rotates every iteration: whatever runs right after raw MPI finds
     the caches full of MPI's buffers (10-25% slower at 1 MiB in runs here), so no
@@ -150,7 +168,7 @@ def timed(world: MPI.Comm, fns: list[Callable[[], Any]], iters: int) -> list[flo
             fn()
             times[i, j] = time.perf_counter() - t0
     world.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-    return [statistics.median(times[:, j]) for j in range(len(fns))]
+    return times
 
 
 def choose_iters(world: MPI.Comm, fns: list[Callable[[], Any]], budget: float) -> int:
@@ -183,8 +201,8 @@ def size_table(ctx: Context, names: list[str], args: argparse.Namespace, say: Ca
     units = f"{'':>9} {'':>5}"
     for name in names:
         title = MEASURED[name][0]
-        header += f" | {title:>19} {'algbw':>6} {'busbw':>6}" + (f" {'ratio':>5}" if name != "raw" else "")
-        units += f" | {'(us)':>19} {'GB/s':>6} {'GB/s':>6}" + (" " * 6 if name != "raw" else "")
+        header += f" | {title:>19} {'algbw':>6} {'busbw':>6}" + (f" {'ratio':>5} {'pair':>5}" if name != "raw" else "")
+        units += f" | {'(us)':>19} {'GB/s':>6} {'GB/s':>6}" + (" " * 12 if name != "raw" else "")
     if auto:
         header += f" | {'auto':>6} {'ratio':>5}"
     say(header)
@@ -194,12 +212,15 @@ def size_table(ctx: Context, names: list[str], args: argparse.Namespace, say: Ca
         buf = np.zeros(size // 4, dtype=np.float32)  # zeros: repeated in-place sums stay finite
         fns = [MEASURED[name][1](ctx, buf) for name in names]
         iters = choose_iters(world, fns, args.budget)
-        medians = timed(world, fns, iters)
+        times = samples(world, fns, iters)
+        medians = [statistics.median(times[:, j]) for j in range(len(fns))]
         line = f"{human(size):>9} {iters:>5}"
         ref = busbw(size, medians[0], n)[1]
-        for name, t in zip(names, medians):
+        for j, (name, t) in enumerate(zip(names, medians)):
             alg, bus = busbw(size, t, n)
-            line += f" | {t * 1e6:>19.1f} {alg:>6.2f} {bus:>6.2f}" + (f" {bus / ref:>5.2f}" if name != "raw" else "")
+            line += f" | {t * 1e6:>19.1f} {alg:>6.2f} {bus:>6.2f}"
+            if name != "raw":
+                line += f" {bus / ref:>5.2f} {paired_ratio(times, j):>5.2f}"
         if auto:
             use = shm is not None and shm.enabled(size, np.dtype(np.float32), "sum")
             t = medians[names.index("window")] if use else medians[0]
@@ -221,12 +242,15 @@ def fused_table(ctx: Context, args: argparse.Namespace, say: Callable[..., None]
     fns = [raw_many, strategy_all_reduce(ctx, arrays), lambda: rc.allreduce(arrays, "sum"),
            lambda: rc.allreduce(arrays, "sum", inplace=True)]
     iters = choose_iters(world, fns, 2 * args.budget)
-    raw_t, strat_t, fused_t, fused_in_t = timed(world, fns, iters)
-    say(f"\n{count} x 4 KiB float32 ({iters} iterations):")
+    times = samples(world, fns, iters)
+    raw_t = statistics.median(times[:, 0])
+    say(f"\n{count} x 4 KiB float32 ({iters} iterations; speed-up = ratio of medians, paired: see paired_ratio):")
     say(f"  {count} raw Allreduce(IN_PLACE) calls:        {raw_t * 1e3:8.3f} ms")
-    say(f"  one fused all_reduce in strategy.run:    {strat_t * 1e3:8.3f} ms  ({raw_t / strat_t:.1f}x faster)")
-    say(f"  one fused RankCommunicator call:         {fused_t * 1e3:8.3f} ms  ({raw_t / fused_t:.1f}x faster)")
-    say(f"  same, inplace=True:                      {fused_in_t * 1e3:8.3f} ms  ({raw_t / fused_in_t:.1f}x faster)")
+    labels = ["one fused all_reduce in strategy.run:   ", "one fused RankCommunicator call:        ",
+              "same, inplace=True:                     "]
+    for j, label in enumerate(labels, start=1):
+        t = statistics.median(times[:, j])
+        say(f"  {label} {t * 1e3:8.3f} ms  ({raw_t / t:.1f}x faster, paired {paired_ratio(times, j):.1f}x)")
 
 
 def check_cost(ctx: Context, args: argparse.Namespace, say: Callable[..., None]) -> None:
@@ -269,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# mpistrat all-reduce benchmark: {n} ranks, float32, {MPI.Get_library_version().splitlines()[0]}")
     say(f"# strategy's RankCommunicator backends: {describe_backends(rc)}; implementation={args.implementation}")
-    say("# time = median over iterations of the slowest rank; busbw = algbw * 2(n-1)/n; ratio = busbw / raw busbw")
+    say("# time = median over iterations of the slowest rank; busbw = algbw * 2(n-1)/n; ratio = busbw / raw busbw;"
+        " pair = median over iterations of raw time / this time, measured back to back")
     size_table(ctx, names, args, say)
     shm = next((b for b in rc._host_backends if isinstance(b, ShmAllreduceBackend)), None)
     if shm is not None and shm.chunk_calibration:

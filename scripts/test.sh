@@ -37,27 +37,42 @@ timeout -k 10 "${MPISTRAT_SERIAL_TIMEOUT:-900}" python -m pytest --with-mpi -q -
 rc=$?; [ $rc -eq 0 ] || status=1
 summary+=("1 rank:  $(count "$logs/n1.xml")  (exit $rc)")
 
-for n in 2 4; do
-  echo "=== MPI tests, mpiexec -n $n ==="
+# The agreement check goes through shared memory on one node (the default, comm/shm_agreement.py);
+# the guard's own tests run again with the MPI all-gather it uses across nodes.
+GUARD_TESTS="tests/test_comm_safety.py tests/test_comm_check_overlap.py tests/test_multi_worker_safety.py
+  tests/test_stall_inspector.py tests/test_comm_collectives.py tests/test_shm_allreduce.py tests/test_shm_agreement.py"
+
+mpi_run() {  # mpi_run <ranks> <label> <pytest args...>: one mpiexec run of the MPI tests
+  local n=$1 label=$2; shift 2
+  echo "=== MPI tests, mpiexec -n $n ($label) ==="
   # Each rank writes its own log and junit file; rank 0's log is shown.
   timeout -k 10 "${MPISTRAT_MPI_TIMEOUT:-600}" mpiexec -n "$n" \
-    python scripts/rank_log.py "$logs/n$n" \
-    python -m pytest --only-mpi -q -p no:cacheprovider --junitxml="$logs/n$n-rank{rank}.xml" "$@" tests
-  rc=$?; [ $rc -eq 0 ] || status=1
-  cat "$logs/n$n-rank0.log" 2>/dev/null
+    python scripts/rank_log.py "$logs/$label" \
+    python -m pytest --only-mpi -q -p no:cacheprovider --junitxml="$logs/$label-rank{rank}.xml" "$@"
+  local rc=$?; [ $rc -eq 0 ] || status=1
+  cat "$logs/$label-rank0.log" 2>/dev/null
   if [ $rc -ne 0 ]; then
-    for f in "$logs"/n$n-rank*.log; do
-      [ "$f" = "$logs/n$n-rank0.log" ] && continue
+    for f in "$logs"/$label-rank*.log; do
+      [ "$f" = "$logs/$label-rank0.log" ] && continue
       if grep -qE "FAILED|Error|Timeout|Traceback" "$f"; then echo "--- $f ---"; tail -n 60 "$f"; fi
     done
   fi
-  line="$n ranks: $(count "$logs"/n$n-rank*.xml)  (per rank, summed; exit $rc)"
+  local line="$n ranks ($label): $(count "$logs"/$label-rank*.xml)  (per rank, summed; exit $rc)"
   if [ $rc -ne 0 ]; then  # an aborted job writes no junit file: name the failures from the rank logs
-    failed=$(grep -hoE "^\[rank [0-9]+\] FAILED [^ ]+" "$logs"/n$n-rank*.log 2>/dev/null | sort -u)
+    local failed
+    failed=$(grep -hoE "^\[rank [0-9]+\] FAILED [^ ]+" "$logs"/$label-rank*.log 2>/dev/null | sort -u)
     [ -n "$failed" ] && line="$line; aborted by: $(echo "$failed" | tr '\n' ';' | sed 's/;$//')"
     aborted=$((aborted + 1))
   fi
   summary+=("$line")
+}
+
+for n in 2 4; do
+  mpi_run "$n" "n$n" "$@" tests
+done
+for n in 2 4; do
+  # shellcheck disable=SC2086
+  MPISTRAT_AGREEMENT=mpi mpi_run "$n" "n$n-mpi-check" "$@" $GUARD_TESTS
 done
 
 echo "=== summary ==="

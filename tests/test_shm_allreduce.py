@@ -473,9 +473,9 @@ def test_chunk_size_is_agreed_over_the_ranks():
 
 @pytest.mark.mpi(min_size=2)
 def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set(monkeypatch):
-    """By default the chunk size is left open, decided (the same on every rank) by a measurement at the
-    first array of at least 8 MiB, and reused by later backends on the same ranks."""
-    monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
+    """With ``auto`` the chunk size is left open, decided (the same on every rank) by a measurement at the
+    first array of at least CHUNK_MEASURE_MIN, and reused by later backends on the same ranks."""
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "auto")
     monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
     comm = MPI.COMM_WORLD
     long_count = shm_calibration.CHUNK_MEASURE_MIN // 4 + 1000  # float32: just long enough to decide
@@ -593,3 +593,32 @@ def test_settings_that_differ_between_ranks_are_agreed(monkeypatch):
         b.close()
     with pytest.raises(ValueError, match="different sync kinds"):
         ShmAllreduceBackend(comm, min_bytes=0, sync="barrier" if first else "counter")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_every_rank_reads_the_whole_result_from_its_own_segment(backend):
+    """The owners push their reduced slices into every segment: one piece, in this rank's own segment,
+    right on every call while the buckets alternate (also across pretend nodes, after the cross-node
+    reduction)."""
+    comm = MPI.COMM_WORLD
+    for k in range(6):
+        x = _data(50000 + k, "float32", comm.rank, seed=k)
+        expected = np.sum(comm.allgather(x), axis=0, dtype=np.float64)
+        backend.pack_buffer(x.size, x.dtype)[:] = x
+        [(start, piece)] = backend.allreduce_packed(x.size, x.dtype, "sum")
+        own = backend._typed(backend._bucket ^ 1, x.dtype)[backend.layout.local_rank]
+        assert start == 0 and np.shares_memory(piece, own), "the result must lie in this rank's segment"
+        assert np.allclose(piece, expected, rtol=1e-5, atol=1e-5), f"call {k}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_long_arrays_go_in_1_MiB_chunks_by_default(monkeypatch):
+    monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
+    monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
+    b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=0)
+    try:
+        assert b.chunk_bytes == 1 << 20 and b._chunk_items(4 << 20, np.dtype(np.float64)) == (1 << 20) // 8
+        assert shm_calibration.CHUNK_DECISIONS == {}, "nothing measured"
+    finally:
+        b.close()

@@ -8,7 +8,9 @@ from mpistrat.comm.shm_settings import NEVER, ShmSettings, agree_settings, read_
 def test_defaults_and_environment(monkeypatch):
     for name in ("MAX", "BLOCK", "CHUNK", "MIN", "SYNC"):
         monkeypatch.delenv(f"MPISTRAT_SHM_{name}_BYTES" if name != "SYNC" else "MPISTRAT_SHM_SYNC", raising=False)
-    assert read_settings() == ShmSettings(64 << 20, 256 << 10, None, None, "counter")
+    assert read_settings() == ShmSettings(64 << 20, 256 << 10, 1 << 20, None, "counter")
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "auto")  # left to measurement
+    assert read_settings().chunk_bytes is None
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "off")
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "1M")
     monkeypatch.setenv("MPISTRAT_SHM_MAX_BYTES", "32M")

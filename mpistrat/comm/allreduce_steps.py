@@ -18,7 +18,10 @@ from .backends import DeviceMpiAllreduceBackend, GrowableBuffers, MpiAllreduceBa
 from .errors import CollectiveMismatchError
 from .fusion import Bucket, ResultPool, pack
 
-__all__ = ["HOST", "CUPY", "CAI", "OVERLAP_MAX_BYTES", "Step", "overlaps_check", "require_same_pack", "run_steps"]
+__all__ = [
+    "HOST", "CUPY", "CAI", "OVERLAP_MAX_BYTES", "STAGED_FIRST", "Step", "check_aux", "folds_sync", "overlaps_check",
+    "require_same_pack", "run_steps",
+]
 
 HOST, CUPY, CAI = 0, 1, 2  # the kinds of arrays: NumPy, CuPy, __cuda_array_interface__ buffers
 
@@ -57,18 +60,38 @@ class Step:
 OVERLAP_MAX_BYTES = 4 << 20
 
 
-def require_same_pack(packs: np.ndarray) -> None:
-    """Raise (on every rank: all see the same values) unless every rank fuses with the same bucket size.
+# The all-reduce's agreement-check aux: the bucket size (bytes_per_pack) shifted left by one, and
+# this bit when the rank posted its check only after staging its first bucket (see folds_sync).
+STAGED_FIRST = 1
+
+
+def check_aux(pack_bytes: int, staged_first: bool = False) -> int:
+    """The ``aux`` an all-reduce's agreement check carries (see :data:`STAGED_FIRST`)."""
+    return pack_bytes << 1 | (STAGED_FIRST if staged_first else 0)
+
+
+def require_same_pack(aux: np.ndarray) -> bool:
+    """Raise (on every rank: all see the same values) unless every rank fuses with the same bucket size;
+    whether every rank staged its first bucket before its check (:data:`STAGED_FIRST`).
 
     Buckets cut at different sizes mean different collective calls: the bucket size travels in
-    the agreement check's ``aux``.
+    the agreement check's ``aux`` (:func:`check_aux`).
     """
-    if packs.min() != packs.max():
-        detail = "; ".join(f"rank {r}: {int(p)}" for r, p in enumerate(packs))
+    lo, hi = int(aux.min()), int(aux.max())
+    if lo >> 1 != hi >> 1:
+        detail = "; ".join(f"rank {r}: {int(p) >> 1}" for r, p in enumerate(aux))
         raise CollectiveMismatchError(
             f"Mismatched allreduce bytes_per_pack ({detail}): the ranks would fuse different buckets; "
             "pass the same CommunicationOptions on every rank"
         )
+    return bool(lo & STAGED_FIRST)
+
+
+def folds_sync(first: Step) -> bool:
+    """Whether a call whose first step is ``first`` may post its agreement check after staging and
+    let the check stand for the backend's first node synchronisation (``folds_sync`` backends:
+    their ``ready`` may return True, and then they skip it)."""
+    return overlaps_check(first) and getattr(first.backend, "folds_sync", False)
 
 
 def overlaps_check(first: Step) -> bool:
@@ -77,15 +100,21 @@ def overlaps_check(first: Step) -> bool:
             and stages_locally(first.backend))
 
 
+# Keyword arguments of a packed reduce: only folds_sync backends ever get synced=True.
+_SYNCED: dict = {"synced": True}
+_NOT_SYNCED: dict = {}
+
+
 def run_steps(
     steps: list[Step], arrays: list, opname: str, inplace: bool, scratch: GrowableBuffers,
     ready: Callable[[], Any] | None = None,
 ) -> list:
     """Run the planned steps of an all-reduce over two or more ranks; the results (``arrays`` when
     ``inplace``). ``scratch`` holds in-place buckets of backends that return pieces. ``ready`` (the
-    second half of a started agreement check) is called once this rank has staged its first
-    step's data, before anything that needs the other ranks: by the backend for a single array
-    (``allreduce_array``'s ``ready``), here after packing."""
+    second half of a started agreement check, or the whole check) is called once this rank has
+    staged its first step's data, before anything that needs the other ranks: by the backend for a
+    single array (``allreduce_array``'s ``ready``), here after packing. When it returns True (only
+    for ``folds_sync`` backends) every rank has staged: the backend skips its first synchronisation."""
     results = arrays if inplace else [None] * len(arrays)
     for step in steps:
         b = step.bucket
@@ -115,8 +144,10 @@ def run_steps(
         xp = step.xp
         buf = backend.pack_buffer(b.count, b.dtype)
         pack(arrays, b, buf, xp)
+        synced = _NOT_SYNCED
         if ready is not None:
-            ready()
+            if ready():
+                synced = _SYNCED
             ready = None
         to = getattr(backend, "allreduce_packed_to", None)
         if inplace:
@@ -126,9 +157,9 @@ def run_steps(
             else:  # reduce into one scratch bucket first: one copy per piece, not per array
                 flat = scratch.get(b.count, b.dtype) if xp is np else xp.empty(b.count, b.dtype)
                 if to is not None:
-                    to(b.count, b.dtype, opname, flat)
+                    to(b.count, b.dtype, opname, flat, **synced)
                 else:
-                    for start, piece in backend.allreduce_packed(b.count, b.dtype, opname):
+                    for start, piece in backend.allreduce_packed(b.count, b.dtype, opname, **synced):
                         flat[start : start + piece.shape[0]] = piece
             copyto = xp.copyto
             for i, src in zip(b.members, step.source_views(flat)):
@@ -136,10 +167,10 @@ def run_steps(
             continue
         block, views = step.pool.get()
         if to is not None:
-            to(b.count, b.dtype, opname, block)
+            to(b.count, b.dtype, opname, block, **synced)
         else:
             # The result views lie in ``block`` laid out as the bucket: copy pieces whole.
-            for start, piece in backend.allreduce_packed(b.count, b.dtype, opname):
+            for start, piece in backend.allreduce_packed(b.count, b.dtype, opname, **synced):
                 block[start : start + piece.shape[0]] = piece
         for i, v in zip(b.members, views):
             results[i] = v

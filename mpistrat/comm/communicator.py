@@ -30,7 +30,6 @@ A communicator is used by one thread at a time.
 from __future__ import annotations
 
 import functools
-import operator
 import sys
 from typing import Any, Callable, Sequence
 
@@ -45,7 +44,18 @@ from .backends import (
     mpi_datatype,
     select_backends,
 )
-from .allreduce_steps import CAI, CUPY, HOST, Step, overlaps_check, require_same_pack, run_steps
+from .allreduce_steps import (
+    CAI,
+    CUPY,
+    HOST,
+    Step,
+    check_aux,
+    folds_sync,
+    overlaps_check,
+    require_same_pack,
+    run_steps,
+)
+from .allreduce_signature import allreduce_signature
 from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
 from .fusion import Bucket, pack, plan_buckets
 from .lifetime import Resources, release_dropped, track
@@ -57,23 +67,7 @@ from .signatures import CallKey, fingerprint
 
 __all__ = ["RankCommunicator", "normalize_op"]
 
-_KIND_NAMES = {HOST: "NumPy", CUPY: "CuPy", CAI: "__cuda_array_interface__"}
-_SCALARS = (int, float, complex, np.generic)
 _PLAN_CACHE_MAX = 512
-
-
-class _DtypeCodes(dict):
-    """dtype -> ``dtype.str``, filled on first use (the attribute builds a new string on every access)."""
-
-    def __missing__(self, dtype: np.dtype) -> str:
-        code = self[dtype] = dtype.str
-        return code
-
-
-_DTYPE_STR = _DtypeCodes()
-_NDARRAY_ONLY = {np.ndarray}
-_shape_of = operator.attrgetter("shape")
-_dtype_of = operator.attrgetter("dtype")
 
 
 def normalize_op(op: Any) -> str:
@@ -98,23 +92,6 @@ def _op_param(op: Any) -> tuple[str, Exception | None]:
         return normalize_op(op), None
     except ValueError as exc:
         return repr(op), exc
-
-
-def _cai_info(x: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
-    cai = x.__cuda_array_interface__
-    shape = tuple(int(n) for n in cai["shape"])
-    dtype = np.dtype(cai["typestr"])
-    strides = cai.get("strides")
-    contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
-    return shape, dtype, contiguous
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _traced(name: str) -> Callable:
@@ -220,54 +197,11 @@ class RankCommunicator:
     # ------------------------------------------------------------------ all-reduce
 
     def _signature(self, arrays: list, inplace: bool) -> tuple[tuple, tuple | None, Exception | None]:
-        """Per-array ``(shape, dtype)`` signature, the arrays' kinds, a local error."""
-        if not inplace and set(map(type, arrays)) == _NDARRAY_ONLY:  # the common case, in C loops
-            return tuple(zip(map(_shape_of, arrays), map(_DTYPE_STR.__getitem__, map(_dtype_of, arrays)))), None, None
-        sig = []
-        kinds = None
-        for i, a in enumerate(arrays):
-            if type(a) is np.ndarray:
-                if inplace and not a.flags.writeable:
-                    return (), None, ValueError(f"allreduce(inplace=True): array #{i} is read-only")
-                sig.append((a.shape, _DTYPE_STR[a.dtype]))
-                if kinds is not None:
-                    kinds.append(HOST)
-                continue
-            if kinds is None:
-                kinds = [HOST] * i
-            if isinstance(a, np.ndarray):
-                sig.append((a.shape, a.dtype.str))
-                kinds.append(HOST)
-            elif is_cupy_array(a):
-                sig.append((tuple(a.shape), a.dtype.str, "CuPy"))
-                kinds.append(CUPY)
-            elif is_device_buffer(a):
-                shape, dtype, contiguous = _cai_info(a)
-                if not inplace:
-                    return (), None, TypeError(
-                        f"allreduce: array #{i} ({type(a).__name__}) exposes only __cuda_array_interface__; "
-                        "such buffers are reduced in place: pass inplace=True"
-                    )
-                if not contiguous:
-                    return (), None, ValueError(f"allreduce: array #{i} ({type(a).__name__}) is not C-contiguous")
-                if self.size > 1 and not self.cuda_aware:
-                    return (), None, RuntimeError(
-                        f"allreduce: array #{i} ({type(a).__name__}) is device memory and this MPI is not "
-                        "CUDA-aware (set MPISTRAT_CUDA_AWARE=1 if it is); use CuPy arrays for host staging"
-                    )
-                sig.append((shape, dtype.str, "CUDA buffer"))
-                kinds.append(CAI)
-            elif isinstance(a, _SCALARS) and not isinstance(a, bool):
-                if inplace:
-                    return (), None, TypeError(f"allreduce(inplace=True): item #{i} is a scalar {a!r}, not an array")
-                arrays[i] = a = np.asarray(a)
-                sig.append((a.shape, a.dtype.str))
-                kinds.append(HOST)
-            else:
-                return (), None, TypeError(
-                    f"allreduce: item #{i} is a {type(a).__name__}; expected NumPy or CuPy arrays or numbers"
-                )
-        return tuple(sig), (tuple(kinds) if kinds is not None else None), None
+        """Per-array ``(shape, dtype)`` signature, the arrays' kinds, a local error (allreduce_signature)."""
+        return allreduce_signature(arrays, inplace, self._device_mpi_missing)
+
+    def _device_mpi_missing(self) -> bool:
+        return self.size > 1 and not self.cuda_aware
 
     def _plan(self, cache_key: tuple, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[Step]:
         """The steps of an all-reduce not planned before, filed under ``cache_key`` (checks its dtypes)."""
@@ -346,11 +280,13 @@ class RankCommunicator:
         plan_key = (h, kinds, pack_bytes, inplace)
         steps = self._plans.get(plan_key)
         if steps and guard is not None and not traced and overlaps_check(steps[0]):
+            if guard.transport == "shm" and folds_sync(steps[0]):
+                return self._allreduce_folded(key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
             return self._allreduce_overlapped(guard, key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
         t0 = timeline.now_us() if traced else 0.0
-        packs = self._check(key, timeout, pack_bytes, h)
-        if packs is not None:
-            require_same_pack(packs)
+        aux = self._check(key, timeout, check_aux(pack_bytes), h)
+        if aux is not None:
+            require_same_pack(aux)
         if steps is None:
             steps = self._plan(plan_key, sig, kinds, opname, pack_bytes)
         if traced:
@@ -367,7 +303,7 @@ class RankCommunicator:
     ) -> list:
         """A call planned before (so staged before: no window to grow): the check's wait for the other
         ranks overlaps this rank's staging of its first bucket (see _allreduce_steps)."""
-        guard.start(key, timeout, pack_bytes, h)
+        guard.start(key, timeout, check_aux(pack_bytes), h)
         try:
             results = self._run_steps(steps, arrays, opname, inplace, self._finish_check)
         except BaseException:
@@ -380,6 +316,35 @@ class RankCommunicator:
                                "called it: the agreement check finished only after the data moved")
         return results
 
+    def _allreduce_folded(
+        self, key: CallKey, timeout: float, h: int, pack_bytes: int, steps: list[Step], arrays: list,
+        opname: str, inplace: bool,
+    ) -> list:
+        """A call planned before, on a communicator whose check goes through shared memory, to a
+        backend that folds (see folds_sync): the whole check runs once this rank has staged its
+        first bucket, and when every rank did so, it is the backend's first node synchronisation."""
+        guard = self._guard
+        assert guard is not None
+        checked = False
+
+        def ready(staged: bool = True) -> bool:
+            nonlocal checked
+            checked = True
+            return require_same_pack(guard.check(key, timeout, check_aux(pack_bytes, staged_first=staged), h))
+
+        try:
+            results = self._run_steps(steps, arrays, opname, inplace, ready)
+        except Exception as exc:
+            if checked:
+                raise
+            # Failed while staging, before the check: the peers must not enter the transfer without us.
+            self._agree_or_raise(key, exc, timeout)
+            raise
+        if not checked:  # a backend that took ready and never called it: a bug, caught on every rank
+            self._agree_or_raise(key, RuntimeError(
+                f"all-reduce backend {type(steps[0].backend).__name__} took `ready` and never called it"), timeout)
+        return results
+
     def _run_steps(
         self, steps: list[Step], arrays: list, opname: str, inplace: bool, ready: Callable[[], Any] | None = None
     ) -> list:
@@ -387,7 +352,7 @@ class RankCommunicator:
             return arrays if inplace else [a.copy() for a in arrays]
         return run_steps(steps, arrays, opname, inplace, self._scratch, ready)
 
-    def _finish_check(self) -> None:
+    def _finish_check(self, staged: bool = True) -> None:
         """Finish the started agreement check of an all-reduce (its ``ready``)."""
         assert self._guard is not None
         require_same_pack(self._guard.finish())

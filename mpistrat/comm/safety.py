@@ -5,7 +5,10 @@ first runs :meth:`AgreementGuard.check`: one tiny non-blocking collective on
 a private duplicate of the communicator (an all-gather of three int64 per
 rank: a fingerprint of the call, one auxiliary integer, the rank's
 wall-clock deadline; a persistent ``Allgather_init`` request where MPI-4
-offers it, else ``Iallgather``), polled with ``Test``: a short spin (none
+offers it, else ``Iallgather``; when every rank of the communicator shares one
+node, one round through node shared memory instead,
+:class:`~mpistrat.comm.shm_agreement.ShmAllgather`, unless
+``MPISTRAT_AGREEMENT=mpi``), polled with ``Test``: a short spin (none
 when the node has more ranks than cores), then polls that yield the CPU
 (``sched_yield``), then, after 50 ms, sleeps backing off to 1 ms, so waiting
 ranks leave the CPU to ranks that compute.
@@ -23,7 +26,8 @@ ranks leave the CPU to ranks that compute.
   sent (``Mismatched allreduce shapes in collective #3: rank 0 sent [(4,),
   float32]; rank 1 sent [(5,), float32]``).
 * **Timeout.** While polling, a rank also answers "where are you?" queries
-  on a second duplicate communicator (matched probes, never blocking).  A
+  on a second duplicate communicator (matched probes, never blocking;
+  :mod:`~mpistrat.comm.query_channel`).  A
   rank whose wait passes ``timeout`` queries every peer, waits a short grace
   period (``MPISTRAT_TIMEOUT_GRACE_SECONDS``, default 0.5 s) for answers,
   and raises :class:`CollectiveTimeoutError` naming the ranks that never
@@ -71,7 +75,10 @@ from .errors import (  # noqa: F401  (CollectiveError: importable from here, as 
     CollectiveTimeoutError,
     CommunicatorBrokenError,
     PeerExitedError,
+    allgather_checked,
 )
+from .query_channel import QueryChannel
+from .shm_agreement import AGREEMENT_ENV, ShmAllgather, shm_agreement_wanted
 from .signatures import CallKey, describe_call, fingerprint, format_mismatch, format_ranks
 from .stall import STALL_SHUTDOWN_ENV, format_stall, report_stall, stall_settings
 
@@ -110,7 +117,8 @@ def _service_all() -> None:
 class AgreementGuard:
     """Fingerprint checks with timeouts for one communicator.
 
-    Creating one is collective over ``comm`` (two ``Dup``). Not thread-safe:
+    Creating one is collective over ``comm`` (two ``Dup``, and a shared window on one node;
+    :attr:`transport` says which all-gather it uses: ``"shm"`` or ``"mpi"``). Not thread-safe:
     one thread at a time per guard, like the communicator it guards.
     """
 
@@ -118,29 +126,46 @@ class AgreementGuard:
         global _GUARD_COUNT
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        error = None
+        try:
+            shm_wanted = shm_agreement_wanted()
+        except ValueError as exc:
+            error, shm_wanted = exc, False
         self._ctl = comm.Dup()
-        self._query = comm.Dup()
-        # The same index on every rank of comm (queries and replies name guards by it), even when
-        # ranks have made different numbers of guards (on sub-communicators): one above the largest.
-        _GUARD_COUNT = self._ctl.allreduce(_GUARD_COUNT, op=MPI.MAX) + 1
+        self._channel = QueryChannel(comm)
+        self._query = self._channel.comm
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        node_size = node.Get_size()
+        node.Free()
+        # One collective: a bad setting raises on every rank; the index is the same on every rank of
+        # comm (queries and replies name guards by it), even when ranks have made different numbers of
+        # guards (on sub-communicators): one above the largest; shared memory only if every rank wants it.
+        try:
+            agreed = allgather_checked(self._ctl, (_GUARD_COUNT, shm_wanted and node_size == self.size), error,
+                                       AGREEMENT_ENV)
+        except ValueError:
+            self._ctl.Free()
+            self._channel.free()
+            raise
+        _GUARD_COUNT = max(count for count, _ in agreed) + 1
         self.index = _GUARD_COUNT
         self.seq = 0
         # Per rank: fingerprint, aux, wall-clock deadline (ms) of its wait.
         self._send = np.zeros(3, dtype=np.int64)
         self._recv = np.zeros(3 * self.size, dtype=np.int64)
         self._recv_aux = self._recv[1::3]
-        # A persistent collective (MPI-4) saves a few microseconds per check.
-        try:
-            self._persistent: MPI.Prequest | None = self._ctl.Allgather_init(self._send, self._recv)
-        except (AttributeError, NotImplementedError, MPI.Exception):
-            self._persistent = None
-        self._sends: list = []
+        self.transport = "shm" if all(shm for _, shm in agreed) else "mpi"
+        if self.transport == "shm":  # one node: one shared-memory round (shm_agreement.py)
+            self._persistent: Any = ShmAllgather(self._ctl, self._send, self._recv)
+        else:  # a persistent collective (MPI-4) saves a few microseconds per check
+            try:
+                self._persistent = self._ctl.Allgather_init(self._send, self._recv)
+            except (AttributeError, NotImplementedError, MPI.Exception):
+                self._persistent = None
         self._qid = 0
         # More ranks than cores on this node: no pure spin (a spinning rank
         # keeps the peer it waits for off the CPU); yield from the start.
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        oversubscribed = node.Get_size() > len(os.sched_getaffinity(0))
-        node.Free()
+        oversubscribed = node_size > len(os.sched_getaffinity(0))
         self._spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
         self.broken: str | None = None
         self.abandoned_seq: int | None = None
@@ -238,26 +263,12 @@ class AgreementGuard:
         if self.broken is None:
             if self._persistent is not None:
                 self._persistent.Free()
-            self._drain_queries()
-            for c in (self._ctl, self._query):
-                if c != MPI.COMM_NULL:
-                    c.Free()
+            self._channel.drain(self._ctl, _grace_seconds())  # nothing left for a later communicator
+            self._channel.free()
+            self._ctl.Free()
         self._ctl = self._query = MPI.COMM_NULL
         if self.broken is None:
             self.broken = "this communicator was closed"
-
-    def _drain_queries(self) -> None:
-        """Receive what peers sent that nobody will read (a reply to a query whose collective completed
-        meanwhile, a late verdict): a message left on a freed communicator would be delivered to the
-        next communicator that reuses its context id. Called after a completed collective (close's
-        check): the peers' sends, flushed before they arrived, are here by now."""
-        self._flush_sends()
-        status = MPI.Status()
-        while True:
-            msg = self._query.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            if msg is None:
-                return
-            msg.recv()
 
     # ---------------------------------------------------------------- waiting
 
@@ -314,10 +325,10 @@ class AgreementGuard:
             return
         status = MPI.Status()
         while True:
-            msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_QUERY, status)
+            msg = self._channel.probe(_TAG_QUERY, status)
             if msg is None:
                 break
-            qid = msg.recv()
+            qid = self._channel.take(msg, status)
             if qid[0] == self.index and qid[1] == self.abandoned_seq:
                 state = ("abandoned",)  # we arrived too, then timed out
             else:
@@ -325,8 +336,8 @@ class AgreementGuard:
                 state = None if waiting is None else (
                     waiting[0], waiting[1], describe_call(waiting[2]), time.monotonic() - waiting[3]
                 )
-            self._sends.append(self._query.isend((qid, state), dest=status.Get_source(), tag=_TAG_REPLY))
-        self._sends = [r for r in self._sends if not r.Test()]
+            self._channel.post((qid, state), status.Get_source(), _TAG_REPLY)
+        self._channel.reap()
 
     def _others(self) -> list[int]:
         return [r for r in range(self.size) if r != self.rank]
@@ -339,7 +350,7 @@ class AgreementGuard:
         qid = (self.index, self.seq, self._qid)
         others = self._others()
         for r in others:
-            self._sends.append(self._query.isend(qid, dest=r, tag=_TAG_QUERY))
+            self._channel.post(qid, r, _TAG_QUERY)
         replies: dict[int, Any] = {}
         status = MPI.Status()
         grace_end = time.monotonic() + _grace_seconds()
@@ -348,10 +359,10 @@ class AgreementGuard:
                 return None
             _service_all()
             while True:
-                msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_REPLY, status)
+                msg = self._channel.probe(_TAG_REPLY, status)
                 if msg is None:
                     break
-                rqid, state = msg.recv()
+                rqid, state = self._channel.take(msg, status)
                 if rqid == qid:
                     replies[status.Get_source()] = state
             time.sleep(1e-3)
@@ -424,8 +435,8 @@ class AgreementGuard:
         parts.append(f"present (waiting or timed out too): {format_ranks(present)}")
         message = "; ".join(parts) + "."
         for r in others:
-            self._sends.append(self._query.isend((self.seq, self.rank, limit), dest=r, tag=_TAG_ABANDON))
-        self._flush_sends()
+            self._channel.post((self.seq, self.rank, limit), r, _TAG_ABANDON)
+        self._channel.flush(_grace_seconds())
         self.broken = f"a collective of this communicator timed out earlier ({message})"
         self.abandoned_seq = self.seq
         raise CollectiveTimeoutError(message, missing_ranks=missing)
@@ -434,10 +445,10 @@ class AgreementGuard:
         """Raise if a peer exited before joining the collective we wait in."""
         status = MPI.Status()
         while True:
-            msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_EXITED, status)
+            msg = self._channel.probe(_TAG_EXITED, status)
             if msg is None:
                 break
-            self._exited[status.Get_source()] = msg.recv()
+            self._exited[status.Get_source()] = self._channel.take(msg, status)
         gone = sorted(r for r, (seq, _) in self._exited.items() if seq < self.seq)
         if not gone:
             return
@@ -455,16 +466,16 @@ class AgreementGuard:
         """Tell every peer that this process is exiting after ``self.seq`` checks."""
         if self.broken is None and self._query != MPI.COMM_NULL:
             for r in self._others():
-                self._sends.append(self._query.isend((self.seq, how), dest=r, tag=_TAG_EXITED))
+                self._channel.post((self.seq, how), r, _TAG_EXITED)
 
     def _abandoned_while_waiting(self, key: CallKey) -> None:
         status = MPI.Status()
         givers, their_limit = [], ""
         while True:
-            msg = self._query.improbe(MPI.ANY_SOURCE, _TAG_ABANDON, status)
+            msg = self._channel.probe(_TAG_ABANDON, status)
             if msg is None:
                 break
-            payload = msg.recv()
+            payload = self._channel.take(msg, status)
             if payload[0] == self.seq:
                 givers.append(status.Get_source())
                 their_limit = payload[2]
@@ -480,18 +491,8 @@ class AgreementGuard:
     def _resolved(self, others: list[int]) -> None:
         """Tell the peers we queried that the collective completed after all."""
         for r in others:
-            self._sends.append(self._query.isend(self.seq, dest=r, tag=_TAG_RESOLVED))
-        self._flush_sends()
-
-    def _flush_sends(self) -> None:
-        # Drive progress until our messages are out (some transports send only
-        # while the sender polls), bounded: a dead peer never takes them.
-        flush_end = time.monotonic() + _grace_seconds()
-        while True:
-            self._sends = [r for r in self._sends if not r.Test()]
-            if not self._sends or time.monotonic() >= flush_end:
-                return
-            time.sleep(1e-3)
+            self._channel.post(self.seq, r, _TAG_RESOLVED)
+        self._channel.flush(_grace_seconds())
 
     def _settle(self, key: CallKey, timeout: float, values: list, arrival: int, only_queried: bool = False) -> None:
         """After a completed check, learn whether a peer gave up on it.
@@ -511,16 +512,16 @@ class AgreementGuard:
         end = time.monotonic() + max(0.0, latest - time.time()) + 3 * _grace_seconds() + 1.0
         while True:
             while True:
-                msg = self._query.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+                msg = self._channel.probe(MPI.ANY_TAG, status)
                 if msg is None:
                     break
                 source, tag = status.Get_source(), status.Get_tag()
-                payload = msg.recv()
+                payload = self._channel.take(msg, status)
                 if tag == _TAG_QUERY:
                     if payload[0] == self.index and payload[1] == self.seq:
                         pending.add(source)
                     state = (self.index, self.seq, describe_call(key), 0.0)
-                    self._sends.append(self._query.isend((payload, state), dest=source, tag=_TAG_REPLY))
+                    self._channel.post((payload, state), source, _TAG_REPLY)
                 elif tag == _TAG_ABANDON and payload[0] == self.seq:
                     givers.append(source)
                     their_limit = payload[2]
@@ -533,7 +534,7 @@ class AgreementGuard:
             if not pending or time.monotonic() >= end:
                 break
             time.sleep(1e-3)
-        self._flush_sends()
+        self._channel.flush(_grace_seconds())
         if givers or pending:
             parts = []
             if givers:
@@ -565,7 +566,7 @@ def _announce_exit() -> None:
     for guard in guards:
         guard._announce_exit(how)
     for guard in guards:
-        guard._flush_sends()
+        guard._channel.flush(_grace_seconds())
 
 
 # Before the atexit hooks (threading's exit hooks run first), some of which free

@@ -15,13 +15,28 @@ segment of one shared window per node (``pack_buffer``), then
    non-blocking, polled with the same spin-then-yield policy as the node
    synchronisation (MPICH's blocking wait busy-polls and starves the ranks it
    waits for when ranks outnumber cores: 2 ms per call at 4 ranks on 2 cores);
-4. synchronise the node again; the result is read in place from the owners'
-   segments: the pieces ``(start, view)`` cover ``[0, count)`` in order.
+   then (on one node, block by block right after step 2) node rank i pushes
+   its reduced slice into slice i of every other rank's segment;
+4. synchronise the node again; every rank reads the whole result from its
+   own segment: one piece ``(0, view)``.
+
+Why push, not let every rank read the owners' slices: a cache line that
+another core has only read must be invalidated there before this core
+writes it again, and on this project's VM that cost 0.42 ms per MiB in some
+runs (against 0.04 ms for a line the other core last wrote). Pushed, every
+line of a segment is last written by the core that reads it next or read by
+the core that writes it next: the owner reads slice i of segment j (written
+by rank j), then writes it; rank j reads it from its own segment, then packs
+into it. 2 ranks, 1 MiB: 85 against 104 us; 4 ranks, 1 MiB: 371 against 477
+us (one synchronisation and a sum of every segment by every rank).
 
 Two buckets alternate, so a reduce needs two synchronisations, not three: a
 rank can pack bucket b only after the first synchronisation of the previous
 call (on bucket 1-b), which every rank reaches only after it has finished
-reading bucket b. Pieces are therefore valid until the next ``pack_buffer``.
+reading bucket b (and an owner pushes into bucket b only after that call's
+first synchronisation too). In step 2 only the owner of slice i reads slice
+i of any segment, and it pushes into a block only after summing it. Pieces
+are therefore valid until the next ``pack_buffer``.
 Nodes of different sizes work too: slices are owned by the first P local
 ranks of each node, P the smallest node's size.
 
@@ -55,8 +70,8 @@ Environment knobs (constructor arguments override them):
 * ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
 * ``MPISTRAT_SHM_CHUNK_BYTES``: ``allreduce_array`` reduces longer arrays
   chunk by chunk, two synchronisations per chunk, so each chunk stays in
-  cache; ``0`` never; ``auto`` (default): at the first array of at least
-  8 MiB, 2 MiB chunks are measured against one pass on that array (at most
+  cache; ``0`` never; default 1 MiB (shm_settings.DEFAULT_CHUNK_BYTES); ``auto``: at the first array of at least
+  4 MiB, 1 MiB chunks are measured against one pass on that array (at most
   16 MiB of it; once per process and rank set),
   and chunks are cut only where they won (on an idle 2-core VM, 2 ranks:
   16 MiB 1.3-1.4x faster; where every synchronisation costs a scheduler slice,
@@ -127,7 +142,12 @@ _INITIAL = 1 << 20
 # one synchronisation 5-10% faster from 4 KiB to 512 KiB, and at 1 MiB faster
 # in 7 runs of 8 (1.04-1.12x raw against 0.90-1.02x; 2 MiB about even).
 DIRECT_MAX_BYTES = 64 << 10
-DIRECT_MAX_BYTES_OVERSUBSCRIBED = 1 << 20
+# With the pushed reduce-scatter, 4 ranks on 2 cores, in the VM's quick mode: one synchronisation
+# wins at 64 KiB (54-57 against 75-82 us), is about even at 256 and 512 KiB (117-123 against 125-129,
+# 189-200 against 192-198 us) and loses from 1 MiB (387-454 against 352-417 us). In its slow mode,
+# where writing lines other cores read costs 0.4 ms per MiB, every rank reading every segment loses
+# more: so the reduce-scatter from above 256 KiB.
+DIRECT_MAX_BYTES_OVERSUBSCRIBED = 256 << 10
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
 
@@ -149,15 +169,17 @@ def _sum_segments(ufunc: np.ufunc, views: list[np.ndarray], start: int, end: int
 
 
 class _Plan:
-    """Precomputed views of one reduce: the pieces returned, the reduction
-    blocks ``(sources, destination, copy-back or None)``, the cross-node slice."""
+    """Precomputed views of one reduce: the pieces returned, the reduction blocks
+    ``(sources, destination, copy-back or None, push targets, start, end)``, the cross-node
+    slice and where it is pushed once reduced across nodes."""
 
-    __slots__ = ("pieces", "blocks", "cross")
+    __slots__ = ("pieces", "blocks", "cross", "cross_targets")
 
-    def __init__(self, pieces: list, blocks: list, cross: np.ndarray | None) -> None:
+    def __init__(self, pieces: list, blocks: list, cross: np.ndarray | None, cross_targets: tuple) -> None:
         self.pieces = pieces
         self.blocks = blocks
         self.cross = cross
+        self.cross_targets = cross_targets
 
 
 class ShmAllreduceBackend:
@@ -174,6 +196,9 @@ class ShmAllreduceBackend:
 
     name = "shm"
     stages_locally = True  # backends.stages_locally: no collective before ready for a size seen before
+    # allreduce_steps.folds_sync: when ``ready`` returns True, every rank has staged (ready was the
+    # agreement check, posted after staging): the first node synchronisation is skipped.
+    folds_sync = True
 
     def __init__(
         self,
@@ -215,7 +240,8 @@ class ShmAllreduceBackend:
         # 3.6-4.5 ms (64 MiB: 2.5x raw MPI instead of 1.5x) in most runs, but in some runs every
         # synchronisation cost about a scheduler slice and chunks were 2x slower than raw MPI (one pass:
         # 2 synchronisations, 16 MiB in 2 MiB chunks: 16). So by default (None) it is measured at the first
-        # long array (_chunk_items).
+        # long array (_chunk_items) when asked for (``auto``); the default is now a fixed 1 MiB
+        # (shm_settings.DEFAULT_CHUNK_BYTES), which won in both modes with the pushed reduce-scatter.
         self.chunk_bytes: int | None = agreed.chunk_bytes
         self.chunk_calibration: list[tuple[int, float, float]] = []  # (bytes, one pass s, chunked s)
         self.timeout_seconds = timeout_seconds
@@ -259,16 +285,24 @@ class ShmAllreduceBackend:
         self._pending = (count, dtype)
         return self._typed(self._bucket, dtype)[self._local_rank()][:count]
 
-    def allreduce_packed(self, count: int, dtype: np.dtype, op: str) -> list[tuple[int, np.ndarray]]:
-        """Reduce what every rank packed; pieces ``(start, view)`` covering ``[0, count)``."""
+    def allreduce_packed(
+        self, count: int, dtype: np.dtype, op: str, synced: bool = False
+    ) -> list[tuple[int, np.ndarray]]:
+        """Reduce what every rank packed; pieces ``(start, view)`` covering ``[0, count)``.
+
+        ``synced``: every rank of the node is known to have packed (a ``ready`` that returned True):
+        the first synchronisation is skipped. Every rank must pass the same value.
+        """
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
-        return self._reduce_scatter(count, dtype, ufunc, op)
+        return self._reduce_scatter(count, dtype, ufunc, op, synced=synced)
 
     def _reduce_scatter(
-        self, count: int, dtype: np.dtype, ufunc: np.ufunc, op: str, own: np.ndarray | None = None
+        self, count: int, dtype: np.dtype, ufunc: np.ufunc, op: str, own: np.ndarray | None = None,
+        synced: bool = False,
     ) -> list[tuple[int, np.ndarray]]:
         """Steps 1-4 above. ``own``: this rank's data in private memory, read
-        for its own slice instead of its segment (which then need not hold it)."""
+        for its own slice instead of its segment (which then need not hold it).
+        ``synced``: step 1's synchronisation already happened (see allreduce_packed)."""
         if count == 0:
             return []
         key = (self._bucket, dtype, count)
@@ -277,9 +311,11 @@ class ShmAllreduceBackend:
             plan = self._make_plan(key)
         sync = self._sync
         assert sync is not None
-        sync.wait()
+        if not synced:
+            sync.wait()
         lr = self._local_rank()
-        for srcs, dst, back, start, end in plan.blocks:
+        copyto = np.copyto
+        for srcs, dst, back, targets, start, end in plan.blocks:
             if own is not None:
                 srcs = srcs[:lr] + (own[start:end],) + srcs[lr + 1 :]
             ufunc(srcs[0], srcs[1], out=dst)
@@ -287,23 +323,28 @@ class ShmAllreduceBackend:
                 ufunc(dst, src, out=dst)
             if back is not None:
                 back[...] = dst
+            for target in targets:  # step 3 on one node: while the block is in cache
+                copyto(target, dst)
         if plan.cross is not None:
             assert self.layout is not None
             self._wait(self.layout.cross_comm.Iallreduce(MPI.IN_PLACE, plan.cross, op=_MPI_OPS[op]))
+            for target in plan.cross_targets:
+                copyto(target, plan.cross)
         sync.wait()
         self._bucket ^= 1
         return list(plan.pieces)
 
-    def allreduce_packed_to(self, count: int, dtype: np.dtype, op: str, out: np.ndarray) -> None:
+    def allreduce_packed_to(self, count: int, dtype: np.dtype, op: str, out: np.ndarray, synced: bool = False) -> None:
         """Reduce what every rank packed straight into ``out`` (1-D, ``count`` items, private memory).
 
         Up to ``direct_max_bytes``: one synchronisation, then each rank sums
         all segments into ``out`` (no copy out of the window). Otherwise the
         reduce-scatter of :meth:`allreduce_packed`, then the pieces are copied
-        into ``out``.
+        into ``out``. ``synced``: as in :meth:`allreduce_packed` (then no synchronisation at all
+        up to ``direct_max_bytes``).
         """
         if count * np.dtype(dtype).itemsize > self.direct_max_bytes:
-            for start, piece in self.allreduce_packed(count, dtype, op):
+            for start, piece in self.allreduce_packed(count, dtype, op, synced):
                 out[start : start + piece.shape[0]] = piece
             return
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed_to")
@@ -311,7 +352,8 @@ class ShmAllreduceBackend:
             return
         views = self._typed(self._bucket, dtype)
         assert self._sync is not None
-        self._sync.wait()
+        if not synced:
+            self._sync.wait()
         _sum_segments(ufunc, views, 0, count, out)
         # No second synchronisation: a rank packs this bucket again only two
         # calls later, after the next call's synchronisation, which every
@@ -338,7 +380,7 @@ class ShmAllreduceBackend:
         out = dst.reshape(-1)
         count, dtype = out.shape[0], out.dtype
         if ready is not None and not self._staged_without_collectives(count, dtype):
-            ready()
+            ready(False)  # before staging (the window grows, or chunks are measured): not staged first
             ready = None
         self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), ready)
 
@@ -380,18 +422,27 @@ class ShmAllreduceBackend:
         buf = self.pack_buffer(count, dtype)
         if count * dtype.itemsize <= self.direct_max_bytes:
             np.copyto(buf, source)
-            if ready is not None:
-                ready()
-            self.allreduce_packed_to(count, dtype, op, out)
+            self.allreduce_packed_to(count, dtype, op, out, self._staged(ready))
             return
         lo, hi = self._own_slice(count, dtype.itemsize)
         np.copyto(buf[:lo], source[:lo])
         np.copyto(buf[hi:], source[hi:])
-        if ready is not None:
-            ready()
+        synced = self._staged(ready)
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
-        for start, piece in self._reduce_scatter(count, dtype, ufunc, op, own=source):
+        for start, piece in self._reduce_scatter(count, dtype, ufunc, op, own=source, synced=synced):
             out[start : start + piece.shape[0]] = piece
+
+    def _staged(self, ready: Callable[[], Any] | None) -> bool:
+        """Call ``ready`` (this rank's data is in its segment); whether it synchronised the node
+        (it returned True: every rank had staged), so the next synchronisation is skipped."""
+        if ready is None:
+            return False
+        assert self._window is not None
+        self._window.sync()  # our stores to the segment before ready's (shared-memory) announcement
+        if ready():
+            self._window.sync()  # and the peers' stores before our loads
+            return True
+        return False
 
     def _own_slice(self, count: int, itemsize: int) -> tuple[int, int]:
         """The items ``[lo, hi)`` this rank sums in the reduce-scatter (empty when it owns
@@ -519,13 +570,20 @@ class ShmAllreduceBackend:
         views = self._typed(bucket, dtype)
         bounds = self._bounds(count, dtype.itemsize)
         lr, n = self.layout.local_rank, len(views)
-        blocks: list[tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray | None]] = []
+        blocks: list[tuple] = []
         cross = None
+        cross_targets: tuple = ()
+        one_node = self.layout.num_nodes == 1
+        others = [v for r, v in enumerate(views) if r != lr]  # every other local rank, owner or not
+
+        def push(s: int, e: int) -> tuple:
+            return tuple(v[s:e] for v in others) if one_node else ()
+
         if lr < self.owners and bounds[lr + 1] > bounds[lr]:
             lo, hi = bounds[lr], bounds[lr + 1]
             own = views[lr]
             if n == 2:  # one pass: nothing is read twice
-                blocks.append(((views[0][lo:hi], views[1][lo:hi]), own[lo:hi], None, lo, hi))
+                blocks.append(((views[0][lo:hi], views[1][lo:hi]), own[lo:hi], None, push(lo, hi), lo, hi))
             elif n > 2:  # cache-sized blocks, summed in local-rank order
                 step = max(1, self.block_bytes // dtype.itemsize)
                 tmp = None
@@ -537,15 +595,14 @@ class ShmAllreduceBackend:
                     e = min(s + step, hi)
                     srcs = tuple(v[s:e] for v in views)
                     if tmp is None:
-                        blocks.append((srcs, own[s:e], None, s, e))
+                        blocks.append((srcs, own[s:e], None, push(s, e), s, e))
                     else:
-                        blocks.append((srcs, tmp[: e - s], own[s:e], s, e))
-            if self.layout.num_nodes > 1:
+                        blocks.append((srcs, tmp[: e - s], own[s:e], push(s, e), s, e))
+            if not one_node:
                 cross = own[lo:hi]
-        pieces = [
-            (bounds[i], views[i][bounds[i] : bounds[i + 1]]) for i in range(self.owners) if bounds[i + 1] > bounds[i]
-        ]
+                cross_targets = tuple(v[lo:hi] for v in others)
+        pieces = [(0, views[lr][:count])]
         if len(self._plans) >= _PLAN_CACHE:
             self._plans.clear()
-        plan = self._plans[key] = _Plan(pieces, blocks, cross)
+        plan = self._plans[key] = _Plan(pieces, blocks, cross, cross_targets)
         return plan
