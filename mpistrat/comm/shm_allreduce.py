@@ -100,6 +100,7 @@ from mpi4py import MPI
 from . import shm_calibration
 from .errors import allgather_checked
 from .shm_calibration import AUTO_CHUNK_BYTES
+from .shm_plan import ReducePlan, make_plan
 from .shm_settings import agree_settings, parse_bytes, read_settings
 from .shm_window import (
     PAGE_SIZE,
@@ -166,20 +167,6 @@ def _sum_segments(ufunc: np.ufunc, views: list[np.ndarray], start: int, end: int
     ufunc(views[0][start:end], views[1][start:end], out=out)
     for view in views[2:]:
         ufunc(out, view[start:end], out=out)
-
-
-class _Plan:
-    """Precomputed views of one reduce: the pieces returned, the reduction blocks
-    ``(sources, destination, copy-back or None, push targets, start, end)``, the cross-node
-    slice and where it is pushed once reduced across nodes."""
-
-    __slots__ = ("pieces", "blocks", "cross", "cross_targets")
-
-    def __init__(self, pieces: list, blocks: list, cross: np.ndarray | None, cross_targets: tuple) -> None:
-        self.pieces = pieces
-        self.blocks = blocks
-        self.cross = cross
-        self.cross_targets = cross_targets
 
 
 class ShmAllreduceBackend:
@@ -250,7 +237,7 @@ class ShmAllreduceBackend:
         self._capacity = 0  # bytes per bucket per rank
         self._views: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         self._tmp: dict[np.dtype, np.ndarray] = {}
-        self._plans: dict[tuple[int, np.dtype, int], _Plan] = {}
+        self._plans: dict[tuple[int, np.dtype, int], ReducePlan] = {}
         self._bucket = 0
         self._pending: tuple[int, np.dtype] | None = None
         self._closed = False
@@ -563,46 +550,21 @@ class ShmAllreduceBackend:
         p = self.owners
         return [min(count, (units * i // p) * q) for i in range(p + 1)]
 
-    def _make_plan(self, key: tuple[int, np.dtype, int]) -> "_Plan":
+    def _make_plan(self, key: tuple[int, np.dtype, int]) -> ReducePlan:
         """The slices one reduce of ``count`` items of ``dtype`` in ``bucket`` touches (cached)."""
         assert self.layout is not None
         bucket, dtype, count = key
-        views = self._typed(bucket, dtype)
-        bounds = self._bounds(count, dtype.itemsize)
-        lr, n = self.layout.local_rank, len(views)
-        blocks: list[tuple] = []
-        cross = None
-        cross_targets: tuple = ()
-        one_node = self.layout.num_nodes == 1
-        others = [v for r, v in enumerate(views) if r != lr]  # every other local rank, owner or not
-
-        def push(s: int, e: int) -> tuple:
-            return tuple(v[s:e] for v in others) if one_node else ()
-
-        if lr < self.owners and bounds[lr + 1] > bounds[lr]:
-            lo, hi = bounds[lr], bounds[lr + 1]
-            own = views[lr]
-            if n == 2:  # one pass: nothing is read twice
-                blocks.append(((views[0][lo:hi], views[1][lo:hi]), own[lo:hi], None, push(lo, hi), lo, hi))
-            elif n > 2:  # cache-sized blocks, summed in local-rank order
-                step = max(1, self.block_bytes // dtype.itemsize)
-                tmp = None
-                if lr >= 2:  # own segment is read later in the order: accumulate aside
-                    tmp = self._tmp.get(dtype)
-                    if tmp is None or tmp.size < step:
-                        tmp = self._tmp[dtype] = np.empty(step, dtype)
-                for s in range(lo, hi, step):
-                    e = min(s + step, hi)
-                    srcs = tuple(v[s:e] for v in views)
-                    if tmp is None:
-                        blocks.append((srcs, own[s:e], None, push(s, e), s, e))
-                    else:
-                        blocks.append((srcs, tmp[: e - s], own[s:e], push(s, e), s, e))
-            if not one_node:
-                cross = own[lo:hi]
-                cross_targets = tuple(v[lo:hi] for v in others)
-        pieces = [(0, views[lr][:count])]
+        lr = self.layout.local_rank
+        tmp = None
+        if lr >= 2 and self.layout.local_size > 2 and lr < self.owners:
+            # Its own segment is read later in the summing order: accumulate aside.
+            step = max(1, self.block_bytes // dtype.itemsize)
+            tmp = self._tmp.get(dtype)
+            if tmp is None or tmp.size < step:
+                tmp = self._tmp[dtype] = np.empty(step, dtype)
+        plan = make_plan(self._typed(bucket, dtype), self._bounds(count, dtype.itemsize), lr, self.owners,
+                         self.layout.num_nodes == 1, self.block_bytes // dtype.itemsize, tmp)
         if len(self._plans) >= _PLAN_CACHE:
             self._plans.clear()
-        plan = self._plans[key] = _Plan(pieces, blocks, cross, cross_targets)
+        self._plans[key] = plan
         return plan
