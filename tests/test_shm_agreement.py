@@ -115,6 +115,8 @@ def test_a_round_is_incomplete_until_the_last_rank_posts(comm, gather):
     send[:] = comm.rank
     if comm.rank != last:
         g.Start()
+        with pytest.raises(RuntimeError, match="round 1 has not completed"):
+            g.Start()  # a second round before the first completed: a peer may still read the slot
     if comm.rank == 0:
         deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
@@ -187,7 +189,7 @@ def _syncs_in_three_calls(rc: RankCommunicator, call: str, monkeypatch: pytest.M
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("call", ["fused list", "one 64 KiB array"])
+@pytest.mark.parametrize("call", ["fused list", "one 64 KiB array", "one 4 MiB array"])
 def test_the_check_replaces_the_first_synchronisation_only_when_every_rank_staged(shm_rc, call, monkeypatch):
     rc = shm_rc
     with monkeypatch.context() as patch:
@@ -232,3 +234,80 @@ def test_a_guard_on_a_sub_communicator_checks_through_its_own_table(comm, monkey
                 assert got == sum(r for r in range(comm.size) if r % 2 == comm.rank % 2)
     finally:
         half.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_check_interrupted_while_waiting_breaks_the_guard(comm, monkeypatch):
+    # The round stays open on the interrupted rank (its peers may complete it and move on): going on
+    # would put it one call behind them for good, so every later call on it raises instead.
+    from mpistrat.comm.errors import CommunicatorBrokenError
+
+    monkeypatch.delenv(AGREEMENT_ENV, raising=False)
+    guard = AgreementGuard(comm)
+    try:
+        if comm.rank == 0:
+            def interrupted(*args):
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(guard, "_wait", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                guard.check(("step", (), ()), 10.0)
+            assert guard.broken and "interrupted on rank 0" in guard.broken
+            with pytest.raises(CommunicatorBrokenError, match="interrupted"):
+                guard.check(("step", (), ()), 10.0)
+        else:
+            time.sleep(0.3)  # rank 0 waits for us, and is interrupted meanwhile
+            guard.check(("step", (), ()), 10.0)
+    finally:
+        guard.broken = guard.broken or "test over: rank 0 broke"  # no collective clean-up with rank 0 gone
+        guard.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_close_survives_a_bad_grace_setting_on_one_rank(comm, monkeypatch):
+    rc = RankCommunicator(comm)
+    assert rc.allreduce([np.ones(2)], "sum")[0][0] == comm.size
+    if comm.rank == 1:
+        monkeypatch.setenv("MPISTRAT_TIMEOUT_GRACE_SECONDS", "soon")
+    rc.close()  # every rank gets through the collective clean-up
+    assert comm.allgather(rc._closed) == [True] * comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_after_an_interrupted_folded_call_the_peers_get_right_sums_or_errors_never_wrong_ones(comm, monkeypatch):
+    # Rank 1 staged and posted its check, then was interrupted while waiting; its peers complete that
+    # call with its data. Its next calls must raise before staging over the data they still read.
+    from mpistrat.comm.errors import CollectiveTimeoutError, CommunicatorBrokenError
+
+    monkeypatch.delenv(AGREEMENT_ENV, raising=False)
+    rc = RankCommunicator(comm, CommunicationOptions(implementation="SHM", timeout_seconds=2))
+    try:
+        def data(v):
+            return [np.full(1024, float(v))]
+
+        for _ in range(2):
+            rc.allreduce(data(1), "sum")  # planned: the next calls fold
+        guard = rc._guard
+        if comm.rank == 1:
+            wait = guard._wait
+
+            def interrupted(*args):
+                guard._wait = wait
+                raise KeyboardInterrupt
+
+            guard._wait = interrupted
+            with pytest.raises(KeyboardInterrupt):
+                rc.allreduce(data(10), "sum")
+            with pytest.raises(CommunicatorBrokenError, match="interrupted on rank 1"):
+                rc.allreduce(data(1000), "sum")
+        else:
+            time.sleep(0.3)  # rank 1 waits for us in its check, and is interrupted there
+            expected = 10 + sum(r + 1 for r in range(comm.size) if r != 1)
+            assert rc.allreduce(data(comm.rank + 1), "sum")[0][0] == expected
+            with pytest.raises(CollectiveTimeoutError, match="rank 1"):
+                rc.allreduce(data(1), "sum")
+    finally:
+        rc.close()  # every guard is broken by now: local clean-up only

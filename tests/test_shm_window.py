@@ -188,3 +188,25 @@ def test_ranks_outnumber_cores_counts_the_cores_of_all_ranks(tmp_path, binding):
                              capture_output=True, text=True, timeout=60, env=clean_env())
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.split() == [f"outnumber={expected}"] * ranks, (ranks, out.stdout)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(30)
+def test_segments_of_different_sizes_are_mapped_whole():
+    """Rank 0 allocates more than a page and the others nothing: every rank sees rank 0's table (a
+    view sized by the local segment raised on rank 0 and left the others waiting)."""
+    comm = MPI.COMM_WORLD
+    win = SharedWindow(comm, 3 * PAGE_SIZE if comm.rank == 0 else 0)
+    try:
+        table = win.view(0, np.int64, 0, 3 * PAGE_SIZE // 8)
+        if comm.rank == 0:
+            table[-1] = 42
+        win.sync()
+        comm.Barrier()
+        win.sync()
+        assert table[-1] == 42
+        with pytest.raises(ValueError, match=f"rank 1's {PAGE_SIZE}-byte segment"):
+            win.view(1, np.int64, 0, PAGE_SIZE // 8 + 1)
+        del table
+    finally:
+        win.free()

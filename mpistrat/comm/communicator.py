@@ -61,7 +61,7 @@ from .fusion import Bucket, pack, plan_buckets
 from .lifetime import Resources, release_dropped, track
 from .options import CommunicationOptions
 from .. import timeline
-from .errors import CollectiveError
+from .errors import CollectiveError, CommunicatorBrokenError
 from .safety import AgreementGuard
 from .signatures import CallKey, fingerprint
 
@@ -132,7 +132,11 @@ class RankCommunicator:
         self.size = self.comm.Get_size()
         self._timeout = options.timeout()
         self._pack = options.pack_bytes()
-        self._guard = AgreementGuard(self.comm) if self.size > 1 else None
+        try:
+            self._guard = AgreementGuard(self.comm) if self.size > 1 else None
+        except Exception:  # raised on every rank (a bad setting): nothing left behind
+            self.comm.Free()
+            raise
         self._host_backends: list[Any] = (
             select_backends(self.comm, options) if self.size > 1 else [MpiAllreduceBackend(self.comm)]
         )
@@ -325,6 +329,8 @@ class RankCommunicator:
         first bucket, and when every rank did so, it is the backend's first node synchronisation."""
         guard = self._guard
         assert guard is not None
+        if guard.broken is not None:  # before staging: peers may still read this rank's last data
+            raise CommunicatorBrokenError(guard.broken)
         checked = False
 
         def ready(staged: bool = True) -> bool:

@@ -230,8 +230,14 @@ class AgreementGuard:
         resumed = int(time.time() * 1000)  # after start(), the caller may have staged data without polling
         send = self._send
         late = False
-        if not req.Test():
-            late = self._wait(req, key, timeout)
+        try:
+            if not req.Test():
+                late = self._wait(req, key, timeout)
+        except BaseException as exc:  # KeyboardInterrupt, a signal handler's error: the round is still open
+            if self.broken is None:
+                self.broken = (f"collective #{self.seq} ({describe_call(key)}) was interrupted on rank "
+                               f"{self.rank} before every rank arrived ({type(exc).__name__})")
+            raise
         if not late and time.time() * 1000 > send[2]:
             # Completed past our deadline, before noticing it (while waiting, or
             # while staging after start): a peer that arrived after the deadline
@@ -261,9 +267,13 @@ class AgreementGuard:
         """Free the guard's communicators (kept when broken: a request is pending)."""
         _LIVE.discard(self)
         if self.broken is None:
+            try:  # read before any collective: a bad value raising between two would strand the peers
+                grace = _grace_seconds()
+            except ValueError:
+                grace = 0.5
             if self._persistent is not None:
                 self._persistent.Free()
-            self._channel.drain(self._ctl, _grace_seconds())  # nothing left for a later communicator
+            self._channel.drain(self._ctl, grace)  # nothing left for a later communicator
             self._channel.free()
             self._ctl.Free()
         self._ctl = self._query = MPI.COMM_NULL

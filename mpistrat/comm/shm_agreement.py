@@ -73,7 +73,10 @@ class ShmAllgather:
         self._done = True
 
     def Start(self) -> None:  # noqa: N802  (mpi4py's request API)
-        """Post this rank's ``send`` for the next round."""
+        """Post this rank's ``send`` for the next round (RuntimeError while the last one is incomplete,
+        as MPI refuses to start an active request: a peer could still be reading its slot)."""
+        if not self._done:
+            raise RuntimeError(f"ShmAllgather.Start: round {self._round} has not completed")
         self._round += 1
         slot = self._mine[self._round & 1]
         slot[1:_SLOT_ITEMS] = self._send

@@ -376,6 +376,8 @@ class ShmAllreduceBackend:
         (neither growing the window nor measuring chunks first)."""
         nbytes = count * dtype.itemsize
         measuring = self.chunk_bytes is None and nbytes >= shm_calibration.CHUNK_MEASURE_MIN
+        if self.chunk_bytes:  # staged chunk by chunk: the window needs to hold one chunk
+            nbytes = min(nbytes, self.chunk_bytes // dtype.itemsize * dtype.itemsize)
         return self._window is not None and nbytes <= self._capacity and not measuring
 
     def reduce_in_chunks(

@@ -125,7 +125,9 @@ class SharedWindow:
         roots = []
         for r in range(self.size):
             buf, _ = self.win.Shared_query(r)
-            roots.append(np.frombuffer(buf, dtype=np.uint8, count=self.nbytes))
+            # Each segment as big as its rank allocated: ranks may pass different sizes (one
+            # holding a table, the others nothing), so never assume a peer's is as big as ours.
+            roots.append(np.frombuffer(buf, dtype=np.uint8))
         self._roots: list[np.ndarray] | None = roots
         self._refs = [weakref.ref(a) for a in roots]
         if prefault:
@@ -154,11 +156,13 @@ class SharedWindow:
         """``count`` items of ``dtype`` at byte ``offset`` of ``rank``'s segment."""
         dtype = np.dtype(dtype)
         end = offset + count * dtype.itemsize
-        if offset < 0 or end > self.nbytes or offset % dtype.itemsize:
+        segment = self.segment(rank)
+        if offset < 0 or end > segment.nbytes or offset % dtype.itemsize:
             raise ValueError(
-                f"SharedWindow.view: [{offset}, {end}) of {dtype} does not fit a {self.nbytes}-byte segment aligned"
+                f"SharedWindow.view: [{offset}, {end}) of {dtype} does not fit rank {rank}'s "
+                f"{segment.nbytes}-byte segment aligned"
             )
-        return self.segment(rank)[offset:end].view(dtype)
+        return segment[offset:end].view(dtype)
 
     def sync(self) -> None:
         """Memory barrier for this window (``MPI_Win_sync``)."""
