@@ -88,10 +88,11 @@ def require_same_pack(aux: np.ndarray) -> bool:
 
 
 def folds_sync(first: Step) -> bool:
-    """Whether a call whose first step is ``first`` may post its agreement check after staging and
-    let the check stand for the backend's first node synchronisation (``folds_sync`` backends:
-    their ``ready`` may return True, and then they skip it)."""
-    return overlaps_check(first) and getattr(first.backend, "folds_sync", False)
+    """Whether a call whose first step is ``first``, one that :func:`overlaps_check` (asked first,
+    not again here), may post its agreement check after staging and let the check stand for the
+    backend's first node synchronisation (``folds_sync`` backends: their ``ready`` may return True,
+    and then they skip it)."""
+    return getattr(first.backend, "folds_sync", False)
 
 
 def overlaps_check(first: Step) -> bool:

@@ -61,7 +61,7 @@ from .fusion import Bucket, pack, plan_buckets
 from .lifetime import Resources, release_dropped, track
 from .options import CommunicationOptions
 from .. import timeline
-from .errors import CollectiveError, CommunicatorBrokenError
+from .errors import CollectiveError
 from .safety import AgreementGuard
 from .signatures import CallKey, fingerprint
 
@@ -285,7 +285,7 @@ class RankCommunicator:
         steps = self._plans.get(plan_key)
         if steps and guard is not None and not traced and overlaps_check(steps[0]):
             if guard.transport == "shm" and folds_sync(steps[0]):
-                return self._allreduce_folded(key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
+                return self._allreduce_folded(guard, key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
             return self._allreduce_overlapped(guard, key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
         t0 = timeline.now_us() if traced else 0.0
         aux = self._check(key, timeout, check_aux(pack_bytes), h)
@@ -321,16 +321,13 @@ class RankCommunicator:
         return results
 
     def _allreduce_folded(
-        self, key: CallKey, timeout: float, h: int, pack_bytes: int, steps: list[Step], arrays: list,
+        self, guard: AgreementGuard, key: CallKey, timeout: float, h: int, pack_bytes: int, steps: list[Step], arrays: list,
         opname: str, inplace: bool,
     ) -> list:
         """A call planned before, on a communicator whose check goes through shared memory, to a
         backend that folds (see folds_sync): the whole check runs once this rank has staged its
         first bucket, and when every rank did so, it is the backend's first node synchronisation."""
-        guard = self._guard
-        assert guard is not None
-        if guard.broken is not None:  # before staging: peers may still read this rank's last data
-            raise CommunicatorBrokenError(guard.broken)
+        guard.require_usable()  # before staging: peers may still read this rank's last data
         checked = False
 
         def ready(staged: bool = True) -> bool:

@@ -101,11 +101,17 @@ _GUARD_COUNT = 0
 _WAITING: tuple | None = None
 
 
-def _grace_seconds() -> float:
+_DEFAULT_GRACE = 0.5
+
+
+def _grace_seconds(strict: bool = True) -> float:
+    """``MPISTRAT_TIMEOUT_GRACE_SECONDS`` (ValueError when malformed, or the default if not ``strict``)."""
     text = os.environ.get(GRACE_ENV, "").strip()
     try:
-        return max(0.05, float(text)) if text else 0.5
+        return max(0.05, float(text)) if text else _DEFAULT_GRACE
     except ValueError:
+        if not strict:
+            return _DEFAULT_GRACE
         raise ValueError(f"{GRACE_ENV} must be a number of seconds, got {text!r}") from None
 
 
@@ -192,6 +198,12 @@ class AgreementGuard:
         """Whether a check was started and not finished."""
         return self._open is not None
 
+    def require_usable(self) -> None:
+        """Raise :class:`CommunicatorBrokenError` if a timeout, an exited peer, an interrupted or failed
+        close broke this guard (called before a rank touches anything its peers may still read)."""
+        if self.broken is not None:
+            raise CommunicatorBrokenError(self.broken)
+
     def start(self, key: CallKey, timeout: float, aux: int = 0, h: int | None = None) -> None:
         """The first half of :meth:`check`: send this rank's signature and return at once.
 
@@ -201,8 +213,7 @@ class AgreementGuard:
         """
         if self._open is not None:
             raise RuntimeError("AgreementGuard.start: the previous check was not finished")
-        if self.broken is not None:
-            raise CommunicatorBrokenError(self.broken)
+        self.require_usable()
         shutdown = self._stall_shutdown
         if shutdown and shutdown < timeout:
             timeout = shutdown
@@ -267,10 +278,8 @@ class AgreementGuard:
         """Free the guard's communicators (kept when broken: a request is pending)."""
         _LIVE.discard(self)
         if self.broken is None:
-            try:  # read before any collective: a bad value raising between two would strand the peers
-                grace = _grace_seconds()
-            except ValueError:
-                grace = 0.5
+            # Never raise between the collectives below: a bad value on one rank would strand the others.
+            grace = _grace_seconds(strict=False)
             if self._persistent is not None:
                 self._persistent.Free()
             self._channel.drain(self._ctl, grace)  # nothing left for a later communicator
