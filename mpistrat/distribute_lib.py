@@ -101,6 +101,12 @@ def _enter_scope(strategy: "Strategy") -> Frame | None:
     return None  # re-entering the same strategy's scope is allowed and changes nothing
 
 
+def _enters_scope_quietly(strategy: "Strategy") -> bool:
+    """Whether ``_enter_scope(strategy)`` succeeds here: no strategy current, or ``strategy`` cross-replica."""
+    current = context.current_frame()
+    return current is context.default_frame() or (current.strategy is strategy and current.replica_context is None)
+
+
 class StrategyExtended:
     """The additional API of a strategy (``strategy.extended``), and its implementation."""
 
@@ -119,6 +125,7 @@ class StrategyExtended:
         self._local_devices = tuple(canonical)
         self._num_local = len(canonical)
         self._all_cpu = not any(dev.is_gpu(d) for d in canonical)  # no device to make current in a replica
+        self._solo_cpu = self._all_cpu and self._num_local == 1  # Strategy.run's short path applies
         self._communicator = communicator
         self._worker_index = worker_index
         self._num_workers = num_workers
@@ -127,6 +134,7 @@ class StrategyExtended:
         self._cross_device_ops._bind(communicator)
         self._step_marker = threading.local()  # shared by this strategy's replica groups (nested runs)
         self._group = ReplicaGroup(self._num_local, self._step_marker)
+        self._solo_frame: Frame | None = None  # _run_solo's replica frame: its context holds nothing of a step
         weakref.finalize(self, self._group.close)  # stop replica threads with the strategy
 
     # -- properties ---------------------------------------------------------------
@@ -187,13 +195,7 @@ class StrategyExtended:
         # A run from inside a step (a merge_fn calling strategy.run) gets replica threads of its own.
         nested = self._group.in_step()
         if self._num_local == 1 and not nested:  # the common multi-worker case: this thread is the replica
-            if (args and contains_distributed(args)) or (kwargs and contains_distributed(kwargs)):
-                self._check_distributed_args((args, kwargs))
-                args, kwargs = select_replica(0, list(args)), select_replica(0, kwargs)
-            group = self._group
-            frame = Frame(strategy, ReplicaContext(strategy, self._worker_index, 0, group.rendezvous))
-            scope = None if self._all_cpu else self._device_scope(self._local_devices[0])
-            return group.run_alone(fn, frame, scope, args, kwargs)
+            return self._run_solo(fn, args, kwargs)
         group = ReplicaGroup(self._num_local, self._step_marker) if nested else self._group
         try:
             frames = [[Frame(strategy, ReplicaContext(strategy, self._global_replica_id(i), i, group.rendezvous))]
@@ -208,6 +210,19 @@ class StrategyExtended:
         finally:
             if nested:
                 group.close()
+
+    def _run_solo(self, fn: Callable, args: Sequence[Any], kwargs: dict | None) -> Any:
+        """``call_for_each_replica`` with one local replica, outside a step: ``fn`` runs in this thread."""
+        if (args and contains_distributed(args)) or (kwargs and contains_distributed(kwargs)):
+            self._check_distributed_args((args, kwargs))
+            args, kwargs = select_replica(0, list(args)), select_replica(0, kwargs)
+        group = self._group
+        frame = self._solo_frame
+        if frame is None or frame.replica_context._rendezvous is not group.rendezvous:
+            strategy = self._container_strategy_obj
+            frame = self._solo_frame = Frame(strategy, ReplicaContext(strategy, self._worker_index, 0, group.rendezvous))
+        scope = None if self._all_cpu else self._device_scope(self._local_devices[0])
+        return group.run_alone(fn, frame, scope, args, kwargs or {})
 
     def _device_scopes(self) -> list:
         cached = self.__dict__.get("_cpu_scopes")
@@ -448,6 +463,11 @@ class Strategy:
             raise ValueError(f"`args` to `run` must be a list or tuple, got {type(args).__name__}: {args!r}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"`kwargs` to `run` must be a dict, got {type(kwargs).__name__}")
+        ext = self._extended
+        if ext._solo_cpu and _enters_scope_quietly(self) and not ext._group.in_step() and not timeline.enabled():
+            # The short path of the common multi-worker step: this thread is the one replica, and the
+            # cross-replica frame _enter_scope would push is never seen under the replica's own frame.
+            return ext._run_solo(fn, args, kwargs)
         frame = _enter_scope(self)  # what `with self.scope()` does, without the scope object
         try:
             if not timeline.enabled():

@@ -108,6 +108,42 @@ def test_scope_inside_run_of_one_replica_raises():
     assert not ms.has_strategy()
 
 
+def test_run_of_one_replica_follows_the_nesting_rules_everywhere():
+    # One CPU replica runs its step without entering the strategy's scope first (Strategy.run's short
+    # path): it must accept and refuse exactly what entering the scope accepts and refuses.
+    s, other = ms.MirroredStrategy(["/cpu:0"]), ms.MirroredStrategy(["/cpu:0"])
+    in_step = lambda: (ms.get_strategy() is s, ms.in_cross_replica_context(), ms.get_replica_context().strategy is s)
+    assert s.run(in_step) == (True, False, True)
+    with pytest.raises(RuntimeError, match="requires being in cross-replica context"):
+        s.run(lambda: s.run(lambda: None))
+    with other.scope():
+        with pytest.raises(RuntimeError, match="Mixing different"):
+            s.run(in_step)
+        assert ms.get_strategy() is other and ms.in_cross_replica_context()
+    try:
+        ms.experimental_set_strategy(s)
+        assert s.run(in_step) == (True, False, True)
+        with pytest.raises(RuntimeError, match="Mixing different"):
+            other.run(lambda: None)
+    finally:
+        ms.experimental_set_strategy(None)
+    with s.scope():
+        assert s.run(in_step) == (True, False, True)
+        assert ms.get_strategy() is s and ms.in_cross_replica_context()
+    assert not ms.has_strategy()
+
+
+def test_context_of_a_lone_replica_kept_from_a_step_is_refused_outside_steps():
+    s = ms.MirroredStrategy(["/cpu:0"])
+    kept = s.run(ms.get_replica_context)
+    with pytest.raises(RuntimeError, match="Mismatching tf.distribute.Strategy objects"):
+        kept.all_reduce("sum", np.ones(2))
+    with s.scope(), pytest.raises(RuntimeError, match="Need to be inside"):
+        kept.merge_call(lambda strategy: None)
+    # In a later step of the same replica it is that replica's context, and works.
+    assert s.run(lambda: kept.all_reduce("sum", np.ones(2)) * 0 + kept.replica_id_in_sync_group).tolist() == [0, 0]
+
+
 def test_contexts_inside_run():
     s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
     seen = s.run(lambda: (ms.has_strategy(), ms.in_cross_replica_context(), ms.get_strategy() is s,
