@@ -27,7 +27,7 @@ then the cost of the agreement check alone.
 Timing: warm-up first; then every iteration starts with a barrier, each rank
 times the call, the slowest rank's time counts, and the median over
 iterations is reported. The measured functions run interleaved on the same
-buffers, in an order that rotates every iteration, so they see the same
+buffers, in a new random order every iteration (see samples), so they see the same
 machine state. Each ratio is given twice: ``ratio`` from the medians, and
 ``pair``, the median of the per-iteration ratios of calls made back to back
 (robust to a machine that changes speed during the run; see paired_ratio).
@@ -151,17 +151,30 @@ def paired_ratio(times: np.ndarray, j: int) -> float:
     return float(np.median(times[:, 0] / times[:, j]))
 
 
+SAMPLE_ORDER_SEED = 20261123  # the same on every rank, so every rank calls the collectives in one order
+
+
 def samples(world: MPI.Comm, fns: list[Callable[[], Any]], iters: int) -> np.ndarray:
     """``[iteration, function]``: the slowest rank's time of each call, the functions interleaved.
 
-    The order rotates every iteration: whatever runs right after raw MPI finds
-    the caches full of MPI's buffers (10-25% slower at 1 MiB in runs here), so no
-    function always comes first or right after another.
+    What ran just before a call changes its time a lot here: right after raw
+    MPI the caches are full of MPI's buffers (10-25% slower at 1 MiB), and
+    with three or more functions the 1 MiB and 4 MiB times of one function
+    moved by up to 3x with its predecessor. So no call follows a call of the
+    same function (each finds the caches full of another's buffers, as in a
+    training step), and each iteration runs the functions in a new random
+    order (the same on every rank: a fixed seed), so each function follows
+    every other one about equally often. With two functions this is alternation.
     """
     times = np.zeros((iters, len(fns)))
+    rng = np.random.default_rng(SAMPLE_ORDER_SEED)
+    last = -1
     for i in range(iters):
-        for k in range(len(fns)):
-            j = (i + k) % len(fns)
+        order = rng.permutation(len(fns))
+        while len(fns) > 1 and order[0] == last:
+            order = rng.permutation(len(fns))
+        last = order[-1]
+        for j in order:
             fn = fns[j]
             world.Barrier()
             t0 = time.perf_counter()
