@@ -68,11 +68,6 @@ def current_frame() -> Frame:
     return _default()
 
 
-def default_frame() -> Frame:
-    """The frame in force where no strategy is: the default strategy and its replica context."""
-    return _default_frame if _default_frame is not None else _default()
-
-
 def push(frame: Frame) -> None:
     """Enter a frame on this thread."""
     _state.stack.append(frame)

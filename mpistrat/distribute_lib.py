@@ -82,29 +82,30 @@ class _StrategyScope:
 
 def _enter_scope(strategy: "Strategy") -> Frame | None:
     """Make ``strategy`` current in cross-replica mode (TF's nesting rules); the frame pushed, if any."""
+    if not _scope_needs_frame(strategy):
+        return None
+    frame = Frame(strategy, None)
+    context.push(frame)
+    return frame
+
+
+def _scope_needs_frame(strategy: "Strategy") -> bool:
+    """Raise where ``strategy``'s scope may not be entered (TF's nesting rules); whether entering pushes a frame."""
     current = context.current_frame()
     in_default = current.strategy is context.default_strategy()
     if strategy._extended._is_default:
         if not in_default:
             raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
-        return None
+        return False
     if in_default:
-        frame = Frame(strategy, None)
-        context.push(frame)
-        return frame
+        return True
     if current.strategy is not strategy:
         raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {current.strategy} is not "
                            f"{strategy}")
     if current.replica_context is not None:
         raise RuntimeError("Method requires being in cross-replica context, use "
                            "get_replica_context().merge_call()")
-    return None  # re-entering the same strategy's scope is allowed and changes nothing
-
-
-def _enters_scope_quietly(strategy: "Strategy") -> bool:
-    """Whether ``_enter_scope(strategy)`` succeeds here: no strategy current, or ``strategy`` cross-replica."""
-    current = context.current_frame()
-    return current is context.default_frame() or (current.strategy is strategy and current.replica_context is None)
+    return False  # re-entering the same strategy's scope is allowed and changes nothing
 
 
 class StrategyExtended:
@@ -125,7 +126,6 @@ class StrategyExtended:
         self._local_devices = tuple(canonical)
         self._num_local = len(canonical)
         self._all_cpu = not any(dev.is_gpu(d) for d in canonical)  # no device to make current in a replica
-        self._solo_cpu = self._all_cpu and self._num_local == 1  # Strategy.run's short path applies
         self._communicator = communicator
         self._worker_index = worker_index
         self._num_workers = num_workers
@@ -464,9 +464,10 @@ class Strategy:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"`kwargs` to `run` must be a dict, got {type(kwargs).__name__}")
         ext = self._extended
-        if ext._solo_cpu and _enters_scope_quietly(self) and not ext._group.in_step() and not timeline.enabled():
-            # The short path of the common multi-worker step: this thread is the one replica, and the
-            # cross-replica frame _enter_scope would push is never seen under the replica's own frame.
+        if ext._num_local == 1 and not ext._group.in_step() and not timeline.enabled():
+            # The common multi-worker step: this thread is the one replica, and a cross-replica frame
+            # pushed under the replica's own frame would never be seen: only the scope's rules are checked.
+            _scope_needs_frame(self)
             return ext._run_solo(fn, args, kwargs)
         frame = _enter_scope(self)  # what `with self.scope()` does, without the scope object
         try:
