@@ -38,7 +38,9 @@ class Step:
         self.xp = xp
         self.members = bucket.members
         self.direct = len(bucket.members) == 1 and hasattr(backend, "allreduce_array")
-        self.pool = ResultPool(bucket, xp) if kind != CAI else None
+        # Results of one array may go straight into blocks the backend shares (shm_results).
+        shared = getattr(backend, "result_blocks", None) if self.direct and kind == HOST else None
+        self.pool = ResultPool(bucket, xp, shared=shared) if kind != CAI else None
         self._src: Any = None
         self._src_views: list = []
 

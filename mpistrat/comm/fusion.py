@@ -137,16 +137,28 @@ _POOLED_REFS = _max_refcount([np.empty(1)])
 
 
 class ResultPool:
-    """Reusable result arrays (views of one flat block) for one bucket."""
+    """Reusable result arrays (views of one flat block) for one bucket.
 
-    def __init__(self, bucket: Bucket, xp: Any = np, max_entries: int = 4) -> None:
+    ``shared``, given for a bucket of one array, is a backend's ``ResultBlocks`` (shm_results):
+    blocks the backend writes the result into directly; while one is free it is handed out first.
+    """
+
+    def __init__(self, bucket: Bucket, xp: Any = np, max_entries: int = 4, shared: Any = None) -> None:
         self.bucket = bucket
         self.xp = xp
         self.max_entries = max_entries
-        self._entries: list[tuple[Any, list]] = []
+        self._entries: list[list] = []
+        self._blocks = shared  # asked for shared blocks until it has them or never will
+        self._shared: Any = None  # SharedResults
 
     def get(self) -> tuple[Any, list]:
         """A ``(block, views)`` entry whose views nobody outside holds."""
+        if self._blocks is not None:
+            self._take_shared()
+        if self._shared is not None:
+            block = self._shared.acquire()
+            if block is not None:
+                return block, [block.reshape(self.bucket.shapes[0])]
         for entry in self._entries:
             # Views a caller made of a result refer to the block, not the view.
             if _max_refcount(entry[1]) <= _POOLED_REFS and _block_refs(entry) <= entry[2]:
@@ -160,6 +172,12 @@ class ResultPool:
         if len(self._entries) < self.max_entries:
             self._entries.append(entry)
         return entry[0], entry[1]
+
+    def _take_shared(self) -> None:
+        b = self.bucket
+        self._shared = self._blocks.shared_results(b.count, b.dtype)
+        if self._shared is not None or not self._blocks.may_share(b.count, b.dtype):
+            self._blocks = None
 
     def clear(self) -> None:
         """Forget the pooled entries."""

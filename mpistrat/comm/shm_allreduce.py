@@ -46,7 +46,9 @@ pieces: ``allreduce_packed_to(count, dtype, op, out)``, and
 packing). On one node, buckets up to ``direct_max_bytes`` need one
 synchronisation, not two: every rank sums all segments straight into its
 output, in the reduce-scatter's order (the same bits on every rank and on both
-paths). Otherwise the reduce-scatter above runs and the pieces are copied out.
+paths). Otherwise the reduce-scatter above runs and the pieces are copied out,
+except into ``allreduce_array``'s result blocks in shared memory
+(``result_blocks``, shm_results): owners push into those directly.
 
 Buckets bigger than the window: the window grows (a collective reallocation,
 to the next power of two, at most ``max_bytes`` per bucket) inside
@@ -80,10 +82,8 @@ Environment knobs (constructor arguments override them):
   is ``counter``: measured as fast or faster than ``Barrier`` at every size,
   at 2 and 4 ranks; only ``counter`` honours ``timeout_seconds``).
 * ``MPISTRAT_PRETEND_NODES``: cut the ranks into K pretend nodes (tests).
-* For the plain MPI path above 32 MiB (outside this backend):
-  ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296`` stop glibc from
-  mapping and unmapping MPICH's message-sized scratch buffer on every call
-  (2-3x faster at 64 MiB).
+* For the plain MPI path above 32 MiB (outside this backend): ``MALLOC_MMAP_MAX_=0
+  MALLOC_TRIM_THRESHOLD_=4294967296`` (2-3x faster at 64 MiB: no mmap per call).
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ from . import shm_calibration
 from .errors import allgather_checked
 from .shm_calibration import AUTO_CHUNK_BYTES
 from .shm_plan import ReducePlan, make_plan
+from .shm_results import PRIVATE, SLOTS, ResultBlocks, SharedResults
 from .shm_settings import agree_settings, parse_bytes, read_settings
 from .shm_window import (
     PAGE_SIZE,
@@ -133,15 +134,11 @@ SUPPORTED_DTYPES = frozenset(
 _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum only
 
 _INITIAL = 1 << 20
-# allreduce_packed_to on one node: up to this size every rank sums all
-# segments after one synchronisation; above it the reduce-scatter (two
-# synchronisations, 1/n of the additions each). Measured at 2 ranks: one
-# synchronisation wins at 16 KiB (8.2 against 9.4 us) and 4 MiB, the
-# reduce-scatter at 256 KiB-2 MiB (1 MiB: 108 against 138 us; bound to one
-# core each, 512 KiB: 1.27-1.29x raw against 1.05x). When ranks outnumber
-# cores a synchronisation costs scheduler time: 4 ranks on 2 cores measured
-# one synchronisation 5-10% faster from 4 KiB to 512 KiB, and at 1 MiB faster
-# in 7 runs of 8 (1.04-1.12x raw against 0.90-1.02x; 2 MiB about even).
+# allreduce_packed_to on one node: up to this size every rank sums all segments after one
+# synchronisation; above it the reduce-scatter (two synchronisations, 1/n of the additions each).
+# Measured at 2 ranks: one synchronisation wins at 16 KiB (8.2 against 9.4 us) and 4 MiB, the
+# reduce-scatter at 256 KiB-2 MiB (1 MiB: 108 against 138 us; bound to one core each, 512 KiB:
+# 1.27-1.29x raw against 1.05x).
 DIRECT_MAX_BYTES = 64 << 10
 # With the pushed reduce-scatter, 4 ranks on 2 cores, in the VM's quick mode: one synchronisation
 # wins at 64 KiB (54-57 against 75-82 us), is about even at 256 and 512 KiB (117-123 against 125-129,
@@ -222,6 +219,10 @@ class ShmAllreduceBackend:
         # One node: buckets up to this size take one synchronisation (allreduce_packed_to).
         direct = DIRECT_MAX_BYTES_OVERSUBSCRIBED if oversubscribed else DIRECT_MAX_BYTES
         self.direct_max_bytes = direct if lay.num_nodes == 1 and lay.local_size > 1 else -1
+        # allreduce_array's results in shared memory, written by the owners (shm_results); only
+        # where the reduce-scatter pushes, on one node.
+        self.result_blocks = ResultBlocks(lay.node_comm, lay.num_nodes == 1 and lay.local_size > 1,
+                                          self.direct_max_bytes, SLOTS * self.max_bytes)
         # allreduce_array of a long array, chunk by chunk, so each chunk's copy in, sum and copy out stay
         # in cache. On this project's 2-core VM, 2 ranks, 2 MiB chunks took 16 MiB in 2.2-2.9 instead of
         # 3.6-4.5 ms (64 MiB: 2.5x raw MPI instead of 1.5x) in most runs, but in some runs every
@@ -285,11 +286,13 @@ class ShmAllreduceBackend:
 
     def _reduce_scatter(
         self, count: int, dtype: np.dtype, ufunc: np.ufunc, op: str, own: np.ndarray | None = None,
-        synced: bool = False,
+        synced: bool = False, shared: SharedResults | None = None, offset: int = 0,
     ) -> list[tuple[int, np.ndarray]]:
         """Steps 1-4 above. ``own``: this rank's data in private memory, read
         for its own slice instead of its segment (which then need not hold it).
-        ``synced``: step 1's synchronisation already happened (see allreduce_packed)."""
+        ``synced``: step 1's synchronisation already happened (see allreduce_packed).
+        ``shared`` (with ``own``, on one node): the ranks' published result blocks, written from item
+        ``offset`` instead of the window segments of the ranks that published one."""
         if count == 0:
             return []
         key = (self._bucket, dtype, count)
@@ -302,9 +305,17 @@ class ShmAllreduceBackend:
             sync.wait()
         lr = self._local_rank()
         copyto = np.copyto
+        results = shared.targets() if shared is not None else None
+        if results is not None:
+            mine = results.pop(lr)
         for srcs, dst, back, targets, start, end in plan.blocks:
             if own is not None:
                 srcs = srcs[:lr] + (own[start:end],) + srcs[lr + 1 :]
+            if results is not None:  # own is not None: no segment is both read and written here
+                s, e = offset + start, offset + end
+                if mine is not None:
+                    dst, back = mine[s:e], None
+                targets = tuple(t if r is None else r[s:e] for r, t in zip(results, targets))
             ufunc(srcs[0], srcs[1], out=dst)
             for src in srcs[2:]:
                 ufunc(dst, src, out=dst)
@@ -369,7 +380,10 @@ class ShmAllreduceBackend:
         if ready is not None and not self._staged_without_collectives(count, dtype):
             ready(False)  # before staging (the window grows, or chunks are measured): not staged first
             ready = None
-        self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), ready)
+        shared = self.result_blocks.make(count, dtype)
+        if shared is not None:
+            shared.publish(shared.slot_of(dst))  # read by the owners after the first synchronisation
+        self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), ready, shared)
 
     def _staged_without_collectives(self, count: int, dtype: np.dtype) -> bool:
         """Whether ``allreduce_array`` of ``count`` items stages its data before any collective call
@@ -378,19 +392,23 @@ class ShmAllreduceBackend:
         measuring = self.chunk_bytes is None and nbytes >= shm_calibration.CHUNK_MEASURE_MIN
         if self.chunk_bytes:  # staged chunk by chunk: the window needs to hold one chunk
             nbytes = min(nbytes, self.chunk_bytes // dtype.itemsize * dtype.itemsize)
-        return self._window is not None and nbytes <= self._capacity and not measuring
+        return (self._window is not None and nbytes <= self._capacity and not measuring
+                and not self.result_blocks.may_share(count, dtype))
 
     def reduce_in_chunks(
-        self, source: np.ndarray, out: np.ndarray, op: str, chunk: int, ready: Callable[[], Any] | None = None
+        self, source: np.ndarray, out: np.ndarray, op: str, chunk: int, ready: Callable[[], Any] | None = None,
+        shared: SharedResults | None = None,
     ) -> None:
         """``out = reduce(source)`` of 1-D arrays, ``chunk`` items at a time (0: in one pass; collective).
-        ``ready``: called before the first synchronisation."""
+        ``ready``: called before the first synchronisation. ``shared``: the result blocks every rank
+        published for this call (``out`` is this rank's, or private if it published PRIVATE)."""
         if 0 < chunk < out.shape[0]:  # the same count and dtype on every rank: the same chunks
             for start in range(0, out.shape[0], chunk):
-                self._allreduce_contiguous(source[start : start + chunk], out[start : start + chunk], op, ready)
+                end = start + chunk
+                self._allreduce_contiguous(source[start:end], out[start:end], op, ready, shared, start)
                 ready = None
             return
-        self._allreduce_contiguous(source, out, op, ready)
+        self._allreduce_contiguous(source, out, op, ready, shared)
 
     def _chunk_items(self, count: int, dtype: np.dtype) -> int:
         """Items per chunk for an array of ``count`` (0: one pass). When ``chunk_bytes`` was left to
@@ -404,9 +422,11 @@ class ShmAllreduceBackend:
         return self.chunk_bytes // dtype.itemsize
 
     def _allreduce_contiguous(
-        self, source: np.ndarray, out: np.ndarray, op: str, ready: Callable[[], Any] | None = None
+        self, source: np.ndarray, out: np.ndarray, op: str, ready: Callable[[], Any] | None = None,
+        shared: SharedResults | None = None, offset: int = 0,
     ) -> None:
-        """:meth:`allreduce_array` of one 1-D array or chunk (``source`` may be ``out``)."""
+        """:meth:`allreduce_array` of one 1-D array or chunk (``source`` may be ``out``), items
+        ``offset`` on of the call's ``shared`` result blocks (see reduce_in_chunks)."""
         count, dtype = out.shape[0], out.dtype
         buf = self.pack_buffer(count, dtype)
         if count * dtype.itemsize <= self.direct_max_bytes:
@@ -418,7 +438,10 @@ class ShmAllreduceBackend:
         np.copyto(buf[hi:], source[hi:])
         synced = self._staged(ready)
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
-        for start, piece in self._reduce_scatter(count, dtype, ufunc, op, own=source, synced=synced):
+        pieces = self._reduce_scatter(count, dtype, ufunc, op, source, synced, shared, offset)
+        if shared is not None and shared.published != PRIVATE:
+            return  # the owners wrote the result into out
+        for start, piece in pieces:
             out[start : start + piece.shape[0]] = piece
 
     def _staged(self, ready: Callable[[], Any] | None) -> bool:
@@ -469,6 +492,7 @@ class ShmAllreduceBackend:
         self._plans.clear()
         self._tmp.clear()
         self._pending = None
+        self.result_blocks.free()
         if self._sync is not None:
             self._sync.free()
             self._sync = None
