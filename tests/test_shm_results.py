@@ -20,12 +20,13 @@ from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.fusion import ResultPool, plan_buckets
 from mpistrat.comm.options import CommunicationOptions
 from mpistrat.comm.shm_allreduce import ShmAllreduceBackend
-from mpistrat.comm.shm_results import PRIVATE, SLOTS, ResultBlocks
+from mpistrat.comm.shm_results import MAX_BYTES, PRIVATE, SLOTS, ResultBlocks
 
 OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 # Above the one-synchronisation limit (256 KiB when ranks outnumber cores): the reduce-scatter
-# pushes. 1M + 3 float32 items go in 1 MiB chunks (the last one short).
-COUNTS = [100_003, (1 << 20) + 3]
+# pushes. The second goes in 1 MiB chunks: of int64, the last one of 4000 bytes (one
+# synchronisation); of float32, the last one of 514 KB.
+COUNTS = [100_003, 3 * 131_072 + 500]
 
 
 @pytest.fixture
@@ -161,8 +162,14 @@ def test_sizes_beyond_the_budget_get_private_results(comm, monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_no_shared_blocks_across_nodes_or_in_fused_buckets(comm, monkeypatch):
+def test_no_shared_blocks_across_nodes_in_fused_buckets_or_above_the_limit(comm, monkeypatch):
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "0")
+    with RankCommunicator(comm) as rc:
+        big = _data(MAX_BYTES // 8 + 1, "int64", comm.rank, 2)
+        for _ in range(2):
+            (out,) = rc.allreduce([big], "sum")
+            np.testing.assert_array_equal(out, _reference(comm, big, "sum"))
+        assert not _is_shared(out, _shm(rc)) and not _shm(rc).result_blocks.may_share(big.size, big.dtype)
     monkeypatch.setenv("MPISTRAT_PRETEND_NODES", "2")
     count = COUNTS[0]
     x = _data(count, "float32", comm.rank, 1)

@@ -33,12 +33,19 @@ from mpi4py import MPI
 
 from .shm_window import PAGE_SIZE, SharedWindow
 
-__all__ = ["PRIVATE", "SLOTS", "ResultBlocks", "SharedResults"]
+__all__ = ["MAX_BYTES", "PRIVATE", "SLOTS", "ResultBlocks", "SharedResults"]
 
 SLOTS = 2  # result blocks per rank and size: a step's result, and the previous one still held
 PRIVATE = -1  # published when this call's result is a private array (copied out of the segment)
 _CONTROL_BYTES = 64  # one cache line per rank: the published slot
 _SIZES_MAX = 16  # sizes (count, dtype) given shared blocks, per backend
+# Largest array given shared blocks. Shared memory has 4 KiB pages here (no transparent huge pages
+# for shmem), NumPy's private arrays of 4 MiB and more get huge pages: writing into every rank's
+# block then costs page walks that the saved copy does not pay for. Measured on this project's
+# 2-core VM in its slow mode (copy-out time / shared-block time): 16 MiB 0.56-0.67 at 2 and 4
+# ranks, 4 MiB 0.82-0.91, 1 MiB 0.77-0.82 at 2 ranks and 1.11-1.21 at 4; in its quicker modes
+# 1.09-1.19 at 2 ranks up to 16 MiB (4 MiB in the benchmark: 1.60-1.70x raw against 0.85-1.09x).
+MAX_BYTES = 4 << 20
 
 
 def _references(blocks: list[np.ndarray]) -> list[int]:
@@ -117,8 +124,9 @@ class ResultBlocks:
     size (collective: every rank reduces the same sizes in the same order, agreed before).
 
     ``enabled``: the backend pushes results (one node, two ranks or more); only arrays of more
-    than ``above`` bytes get blocks (below, every rank writes its own result anyway), and at most
-    ``budget`` bytes per rank in all (address space: a block's pages are backed once written).
+    than ``above`` bytes (below, every rank writes its own result anyway) and at most
+    :data:`MAX_BYTES` get blocks, at most ``budget`` bytes per rank in all (address space: a
+    block's pages are backed once written).
     """
 
     def __init__(self, node_comm: MPI.Comm, enabled: bool, above: int, budget: int) -> None:
@@ -135,7 +143,8 @@ class ResultBlocks:
     def may_share(self, count: int, dtype: np.dtype) -> bool:
         """Whether blocks of that size are still to be made (False: made, refused, or never)."""
         dtype = np.dtype(dtype)
-        return self._enabled and count * dtype.itemsize > self._above and (count, dtype) not in self._sizes
+        nbytes = count * dtype.itemsize
+        return self._enabled and self._above < nbytes <= MAX_BYTES and (count, dtype) not in self._sizes
 
     def make(self, count: int, dtype: np.dtype) -> SharedResults | None:
         """The blocks of ``count`` x ``dtype``, made now if due (collective then), or None."""
