@@ -120,6 +120,24 @@ def test_inplace_on_some_ranks_only(comm, rc):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("count", COUNTS)
+def test_inplace_into_a_held_shared_result(comm, rc, count):
+    """A result in a shared block reduced again in place: its block is both source and result
+    (summed aside, as any in-place array; at 3+ ranks the owners' sums would clobber it otherwise)."""
+    shm = _shm(rc)
+    x = _data(count, "int64", comm.rank, 5)
+    rc.allreduce([x], "sum")
+    (held,) = rc.allreduce([x], "sum")
+    assert _is_shared(held, shm)
+    held += comm.rank  # different on every rank
+    want = _reference(comm, held, "sum")
+    (out,) = rc.allreduce([held], "sum", inplace=True)
+    assert out is held
+    np.testing.assert_array_equal(held, want)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 def test_results_outlive_the_communicator(comm, monkeypatch):
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "0")
     rc = RankCommunicator(comm)
@@ -212,6 +230,9 @@ def test_result_pool_hands_out_free_shared_blocks_first():
         assert shared.slot_of(pool.get()[1][0]) == PRIVATE
         del derived
         assert shared.slot_of(pool.get()[1][0]) == slots[0]
+        shared.publish(slots[0])
+        shared.retire()  # its call failed: a late owner may still write into it
+        assert [shared.slot_of(pool.get()[1][0]) for _ in range(3)] == [PRIVATE] * 3  # slots[1] is held
         assert blocks.make(100, np.dtype(np.float64)) is None  # over the budget: refused, for good
         assert not blocks.may_share(100, np.float64)
     finally:

@@ -224,12 +224,9 @@ class ShmAllreduceBackend:
         self.result_blocks = ResultBlocks(lay.node_comm, lay.num_nodes == 1 and lay.local_size > 1,
                                           self.direct_max_bytes, SLOTS * self.max_bytes)
         # allreduce_array of a long array, chunk by chunk, so each chunk's copy in, sum and copy out stay
-        # in cache. On this project's 2-core VM, 2 ranks, 2 MiB chunks took 16 MiB in 2.2-2.9 instead of
-        # 3.6-4.5 ms (64 MiB: 2.5x raw MPI instead of 1.5x) in most runs, but in some runs every
-        # synchronisation cost about a scheduler slice and chunks were 2x slower than raw MPI (one pass:
-        # 2 synchronisations, 16 MiB in 2 MiB chunks: 16). So by default (None) it is measured at the first
-        # long array (_chunk_items) when asked for (``auto``); the default is now a fixed 1 MiB
-        # (shm_settings.DEFAULT_CHUNK_BYTES), which won in both modes with the pushed reduce-scatter.
+        # in cache (2 ranks, 16 MiB in 2 MiB chunks: 2.2-2.9 instead of 3.6-4.5 ms in most runs; 2x slower
+        # than raw MPI where every synchronisation cost a scheduler slice). Default a fixed 1 MiB
+        # (shm_settings.DEFAULT_CHUNK_BYTES), which won in both modes; ``auto`` measures (_chunk_items).
         self.chunk_bytes: int | None = agreed.chunk_bytes
         self.chunk_calibration: list[tuple[int, float, float]] = []  # (bytes, one pass s, chunked s)
         self.timeout_seconds = timeout_seconds
@@ -311,7 +308,7 @@ class ShmAllreduceBackend:
         for srcs, dst, back, targets, start, end in plan.blocks:
             if own is not None:
                 srcs = srcs[:lr] + (own[start:end],) + srcs[lr + 1 :]
-            if results is not None:  # own is not None: no segment is both read and written here
+            if results is not None:  # own is not mine (published PRIVATE in place): none read and written
                 s, e = offset + start, offset + end
                 if mine is not None:
                     dst, back = mine[s:e], None
@@ -367,7 +364,8 @@ class ShmAllreduceBackend:
         :meth:`allreduce_packed_to`. Above: the reduce-scatter, with only the
         slices the other ranks sum copied into the segment (this rank's own
         slice is read from ``src``: at 2 ranks, 1 MiB in 78 instead of 108 us),
-        then the pieces copied into ``dst``. With ``chunk_bytes`` set, longer
+        then the pieces copied into ``dst`` (unless ``dst`` is a shared result block: see
+        ``result_blocks``). With ``chunk_bytes`` set, longer
         arrays go chunk by chunk, so each chunk stays in cache between its
         passes, at two synchronisations per chunk (see ``__init__``).
         ``ready`` is called once this rank's (first chunk's) data is in its
@@ -381,9 +379,14 @@ class ShmAllreduceBackend:
             ready(False)  # before staging (the window grows, or chunks are measured): not staged first
             ready = None
         shared = self.result_blocks.make(count, dtype)
-        if shared is not None:
-            shared.publish(shared.slot_of(dst))  # read by the owners after the first synchronisation
-        self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), ready, shared)
+        if shared is not None:  # in place, dst may be a held block: PRIVATE (sums would clobber the source)
+            shared.publish(shared.slot_of(dst) if src is not MPI.IN_PLACE else PRIVATE)
+        try:
+            self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), ready, shared)
+        except BaseException:
+            if shared is not None:
+                shared.retire()  # a late owner may still write into it: never hand it out again
+            raise
 
     def _staged_without_collectives(self, count: int, dtype: np.dtype) -> bool:
         """Whether ``allreduce_array`` of ``count`` items stages its data before any collective call

@@ -77,6 +77,7 @@ class SharedResults:
         nbytes = count * dtype.itemsize
         self.blocks = [np.frombuffer(own[o : o + nbytes], dtype=dtype) for o in offsets]
         self._free_refs = _references(self.blocks)  # while nothing else refers to them
+        self._retired: list[np.ndarray] = []  # blocks of failed calls, pinned for good
         self.window.sync()
 
     def acquire(self) -> np.ndarray | None:
@@ -98,10 +99,17 @@ class SharedResults:
     def publish(self, slot: int) -> None:
         """Announce this call's result block (before the call's first node synchronisation)."""
         self._control[0] = self.published = slot
+        self.window.sync()
+
+    def retire(self) -> None:
+        """Never hand out the published block again (its call failed: owners may still write)."""
+        if 0 <= self.published < SLOTS:
+            self._retired.append(self.blocks[self.published])
 
     def targets(self) -> list[np.ndarray | None]:
         """Every rank's published result block (None: :data:`PRIVATE`), read after the first
         synchronisation of the call."""
+        self.window.sync()
         out: list[np.ndarray | None] = []
         for control, blocks in zip(self._controls, self._blocks):
             slot = int(control[0])
@@ -114,6 +122,7 @@ class SharedResults:
         self._control = None
         self.blocks = []
         self._free_refs = []
+        self._retired = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)  # held results are expected, not a leak
             self.window.free()
@@ -148,15 +157,15 @@ class ResultBlocks:
 
     def make(self, count: int, dtype: np.dtype) -> SharedResults | None:
         """The blocks of ``count`` x ``dtype``, made now if due (collective then), or None."""
-        key = (count, dtype)
+        key = (count, np.dtype(dtype))
         if key in self._sizes:
             return self._sizes[key]
         if not self.may_share(count, dtype):
             return None
         shared = None
-        nbytes = SLOTS * count * dtype.itemsize
+        nbytes = SLOTS * count * key[1].itemsize
         if nbytes <= self._budget and len(self._sizes) < _SIZES_MAX:
-            shared = SharedResults(self._comm, count, dtype)
+            shared = SharedResults(self._comm, count, key[1])
             self._budget -= nbytes
         self._sizes[key] = shared
         return shared
