@@ -148,12 +148,12 @@ class ResultPool:
         self.xp = xp
         self.max_entries = max_entries
         self._entries: list[list] = []
-        self._blocks = shared  # asked for shared blocks until it has them or never will
+        self._result_blocks = shared  # asked for a SharedResults until it has one or never will
         self._shared: Any = None  # SharedResults
 
     def get(self) -> tuple[Any, list]:
         """A ``(block, views)`` entry whose views nobody outside holds."""
-        if self._blocks is not None:
+        if self._result_blocks is not None:
             self._take_shared()
         if self._shared is not None:
             block = self._shared.acquire()
@@ -175,9 +175,9 @@ class ResultPool:
 
     def _take_shared(self) -> None:
         b = self.bucket
-        self._shared = self._blocks.shared_results(b.count, b.dtype)
-        if self._shared is not None or not self._blocks.may_share(b.count, b.dtype):
-            self._blocks = None
+        self._shared = self._result_blocks.shared_results(b.count, b.dtype)
+        if self._shared is not None or not self._result_blocks.may_share(b.count, b.dtype):
+            self._result_blocks = None
 
     def clear(self) -> None:
         """Forget the pooled entries."""

@@ -218,11 +218,10 @@ class ShmAllreduceBackend:
         machine.Free()
         # One node: buckets up to this size take one synchronisation (allreduce_packed_to).
         direct = DIRECT_MAX_BYTES_OVERSUBSCRIBED if oversubscribed else DIRECT_MAX_BYTES
-        self.direct_max_bytes = direct if lay.num_nodes == 1 and lay.local_size > 1 else -1
-        # allreduce_array's results in shared memory, written by the owners (shm_results); only
-        # where the reduce-scatter pushes, on one node.
-        self.result_blocks = ResultBlocks(lay.node_comm, lay.num_nodes == 1 and lay.local_size > 1,
-                                          self.direct_max_bytes, SLOTS * self.max_bytes)
+        pushes = lay.num_nodes == 1 and lay.local_size > 1  # owners push results into every segment
+        self.direct_max_bytes = direct if pushes else -1
+        # allreduce_array's results in shared memory, written by the owners (shm_results).
+        self.result_blocks = ResultBlocks(lay.node_comm, pushes, self.direct_max_bytes, SLOTS * self.max_bytes)
         # allreduce_array of a long array, chunk by chunk, so each chunk's copy in, sum and copy out stay
         # in cache (2 ranks, 16 MiB in 2 MiB chunks: 2.2-2.9 instead of 3.6-4.5 ms in most runs; 2x slower
         # than raw MPI where every synchronisation cost a scheduler slice). Default a fixed 1 MiB
