@@ -15,6 +15,7 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat.comm import shm_allreduce, shm_calibration
+from mpistrat.comm.polling import OVERSUBSCRIBED_YIELDS, ranks_outnumber_cores
 from mpistrat.comm.shm_allreduce import ShmAllreduceBackend, parse_bytes
 from mpistrat.comm.topology import node_layout
 
@@ -620,5 +621,25 @@ def test_long_arrays_go_in_1_MiB_chunks_by_default(monkeypatch):
     try:
         assert b.chunk_bytes == 1 << 20 and b._chunk_items(4 << 20, np.dtype(np.float64)) == (1 << 20) // 8
         assert shm_calibration.CHUNK_DECISIONS == {}, "nothing measured"
+    finally:
+        b.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_node_sync_sleeps_after_yielding_only_where_ranks_outnumber_cores():
+    """Waiting ranks sleep after their yields (polling) exactly where the machine's ranks outnumber its
+    cores; with a core each they never sleep (only latency to lose). At 4 ranks on a 2-core machine the
+    first branch runs, at 2 ranks the second."""
+    comm = MPI.COMM_WORLD
+    machine = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    expected = OVERSUBSCRIBED_YIELDS if ranks_outnumber_cores(machine) else None
+    machine.Free()
+    b = ShmAllreduceBackend(comm, min_bytes=0, sync="counter")
+    try:
+        x = np.arange(1000, dtype=np.float64)
+        out = np.empty_like(x)
+        b.allreduce_array(x, out, "sum")
+        np.testing.assert_array_equal(out, x * comm.size)
+        assert b.yields == expected and b._sync.yields == expected
     finally:
         b.close()

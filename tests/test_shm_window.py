@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpistrat.comm.polling import OVERSUBSCRIBED_YIELDS, SLEEP_SECONDS, pause
 from mpistrat.comm.shm_window import PAGE_SIZE, CounterSync, SharedWindow, make_sync
 
 
@@ -61,6 +62,50 @@ def test_counter_sync_timeout_names_missing_ranks(node):
     finally:
         s.free()
         w.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_counter_sync_sleeps_after_its_yields(node):
+    """With ``yields`` set, a rank waiting for a late peer sleeps between polls instead of yielding
+    on (a yield does not always hand over the CPU: polling), so it burns little CPU while it waits."""
+    w = SharedWindow(node, 64)
+    s = CounterSync(w, spin=0, yields=OVERSUBSCRIBED_YIELDS, timeout=30)
+    late = 0.4
+    try:
+        s.wait()
+        if w.rank == 1:
+            time.sleep(late)
+        cpu, wall = time.thread_time(), time.monotonic()
+        s.wait()
+        cpu, wall = time.thread_time() - cpu, time.monotonic() - wall
+        if w.rank != 1:
+            assert wall >= late * 0.9, "the peer was late: this rank must have waited for it"
+            assert cpu < 0.5 * wall, f"{cpu:.3f} s of CPU in a {wall:.3f} s wait: it polled without sleeping"
+    finally:
+        s.free()
+        w.free()
+
+
+def test_pause_spins_then_yields_then_sleeps():
+    """``pause``: nothing for ``spin`` polls, a yield for the next ``yields``, then a sleep of at least
+    ``SLEEP_SECONDS``; with ``yields=None`` never a sleep. A sleep blocks: it is the one pause that
+    counts a voluntary context switch (a yield leaves the thread runnable)."""
+    import resource
+
+    def blocked(polls, spin, yields, repeat=20):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+        for _ in range(repeat):
+            pause(polls, spin, yields)
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
+
+    assert blocked(5, 10, 2) == 0, "within spin: no pause"
+    assert blocked(12, 10, 2) == 0, "within the yields: no sleep"
+    assert blocked(10_000, 10, None) == 0, "yields=None: never a sleep"
+    assert blocked(13, 10, 2) == 20, "past spin + yields: every poll sleeps"
+    t = time.perf_counter()
+    pause(13, 10, 2)
+    assert time.perf_counter() - t >= SLEEP_SECONDS
 
 
 @pytest.mark.mpi(min_size=2)
@@ -161,7 +206,7 @@ def test_no_collective_free_after_an_uncaught_exception(tmp_path):
 _OVERSUBSCRIPTION_SCRIPT = """
 import os
 from mpi4py import MPI
-from mpistrat.comm.shm_window import ranks_outnumber_cores
+from mpistrat.comm.polling import ranks_outnumber_cores
 machine = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
 os.write(1, f"outnumber={ranks_outnumber_cores(machine)}\\n".encode())  # one write: lines never interleave
 """

@@ -89,7 +89,6 @@ Environment knobs (constructor arguments override them):
 from __future__ import annotations
 
 import atexit
-import os
 import time
 import weakref
 from typing import Any, Callable
@@ -103,15 +102,8 @@ from .shm_calibration import AUTO_CHUNK_BYTES
 from .shm_plan import ReducePlan, make_plan
 from .shm_results import PRIVATE, SLOTS, ResultBlocks, SharedResults
 from .shm_settings import agree_settings, parse_bytes, read_settings
-from .shm_window import (
-    PAGE_SIZE,
-    NodeSync,
-    SharedWindow,
-    default_spin,
-    exiting_cleanly,
-    make_sync,
-    ranks_outnumber_cores,
-)
+from .polling import default_spin, default_yields, pause, ranks_outnumber_cores
+from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout, resolve_pretend_nodes
 
 __all__ = [
@@ -215,6 +207,7 @@ class ShmAllreduceBackend:
         machine = lay.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.spin = default_spin(machine.Get_size())
         oversubscribed = ranks_outnumber_cores(machine)
+        self.yields = default_yields(oversubscribed)  # then sleep per poll (polling: yields may not switch)
         machine.Free()
         # One node: buckets up to this size take one synchronisation (allreduce_packed_to).
         direct = DIRECT_MAX_BYTES_OVERSUBSCRIBED if oversubscribed else DIRECT_MAX_BYTES
@@ -540,20 +533,21 @@ class ShmAllreduceBackend:
             self._window = None
         self._window = SharedWindow(self.layout.node_comm, 2 * cap)
         names = self.layout.node_comm.allgather(self.layout.comm.Get_rank())
-        kw = {"timeout": self.timeout_seconds, "rank_names": names, "spin": self.spin}
+        kw = {"timeout": self.timeout_seconds, "rank_names": names, "spin": self.spin, "yields": self.yields}
         kw = kw if self.sync_kind == "counter" else {}
         self._sync = make_sync(self._window, self.sync_kind, **kw)
         self._capacity = cap
         self._bucket = 0
 
     def _wait(self, req: MPI.Request) -> None:
-        """Complete the cross-node request, spinning then yielding (MPI's own wait never yields)."""
+        """Complete the cross-node request, spinning, yielding, then sleeping (polling.pause; MPI's own wait
+        never yields)."""
         polls = 0
         deadline = None
         while not req.Test():
             polls += 1
             if polls > self.spin:
-                os.sched_yield()
+                pause(polls, self.spin, self.yields)
                 if self.timeout_seconds is not None and (polls & 1023) == 0:
                     now = time.monotonic()
                     deadline = deadline or now + self.timeout_seconds

@@ -19,8 +19,10 @@ offered behind one ``NodeSync`` interface:
   shared window (one cache line per rank) and waits until every peer's
   counter has reached the same epoch: it spins, and once ``spin`` polls have
   passed it yields the CPU (``os.sched_yield``) on every poll, since a pure
-  spin costs a whole scheduler slice when ranks outnumber cores. It also
-  honours a timeout and names the local ranks that never arrived.
+  spin costs a whole scheduler slice when ranks outnumber cores, and after
+  ``yields`` yields it sleeps briefly per poll (``polling``: a yield does not
+  always hand over the CPU). It also honours a timeout and names the local
+  ranks that never arrived.
 
 Lifetime: NumPy views must never outlive ``Win.Free()``. Every view handed
 out derives from one root array per segment, tracked by weak reference.
@@ -39,7 +41,6 @@ from __future__ import annotations
 import atexit
 import gc
 import mmap
-import os
 import sys
 import time
 import warnings
@@ -49,6 +50,8 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .polling import default_spin, pause
+
 __all__ = [
     "PAGE_SIZE",
     "SharedWindow",
@@ -56,7 +59,6 @@ __all__ = [
     "BarrierSync",
     "CounterSync",
     "make_sync",
-    "default_spin",
     "free_all",
     "exiting_cleanly",
 ]
@@ -69,31 +71,6 @@ _CACHE_LINE = 64
 _OPEN: list["SharedWindow"] = []
 # Windows whose views were still alive at free(): kept mapped until exit.
 _KEPT: list["SharedWindow"] = []
-
-
-def default_spin(ranks_on_machine: int) -> int:
-    """Polls before yielding: 0 when ranks outnumber this process's cores, else 100.
-
-    A short spin: when other jobs share the cores, a long spin burns the slice
-    the awaited peer needs (2.8 ms per 4 KiB call at 2000 polls on a loaded
-    2-core machine); an idle machine pays one cheap ``sched_yield`` per poll.
-    """
-    return 0 if ranks_on_machine > len(_affinity()) else 100
-
-
-def _affinity() -> set[int]:
-    try:
-        return set(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return set(range(os.cpu_count() or 1))
-
-
-def ranks_outnumber_cores(machine: MPI.Comm) -> bool:
-    """Whether the ranks of ``machine`` (one machine's ranks) outnumber the cores they may run on
-    together, the union of their CPU affinities (collective). Unlike :func:`default_spin`, two ranks
-    bound one to a core each are not oversubscribed."""
-    cores = set().union(*machine.allgather(_affinity()))
-    return machine.Get_size() > len(cores)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -229,7 +206,9 @@ class CounterSync(NodeSync):
     """Epoch counters in a small shared window: spin, then yield, with a timeout.
 
     ``spin`` is the number of polls before yielding the CPU on every poll
-    (default: ``default_spin`` of the communicator's size).
+    (default: ``default_spin`` of the communicator's size); ``yields`` the
+    number of yields before sleeping ``polling.SLEEP_SECONDS`` on every poll
+    (default None: never; see ``polling.default_yields``).
     ``timeout`` (seconds, None for none) raises ``TimeoutError`` naming the
     node ranks (and their ``rank_names``) that did not arrive.
     """
@@ -241,6 +220,7 @@ class CounterSync(NodeSync):
         window: SharedWindow,
         *,
         spin: int | None = None,
+        yields: int | None = None,
         timeout: float | None = None,
         rank_names: Sequence[int] | None = None,
     ) -> None:
@@ -253,6 +233,7 @@ class CounterSync(NodeSync):
         self._others = [r for r in range(n) if r != self._me]
         self._epoch = 0
         self.spin = default_spin(n) if spin is None else int(spin)
+        self.yields = yields
         self.timeout = timeout
         self._names = list(rank_names) if rank_names is not None else list(range(n))
 
@@ -267,13 +248,13 @@ class CounterSync(NodeSync):
         ctr[self._me, 0] = epoch
         sync()
         polls = 0
-        spin = self.spin
+        spin, yields = self.spin, self.yields
         deadline = None
         for r in self._others:
             while ctr[r, 0] < epoch:
                 polls += 1
                 if polls > spin:
-                    os.sched_yield()
+                    pause(polls, spin, yields)
                     if (polls & 1023) == 0:
                         if deadline is None:
                             deadline = time.monotonic() + self.timeout if self.timeout is not None else float("inf")
