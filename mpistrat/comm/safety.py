@@ -77,6 +77,7 @@ from .errors import (  # noqa: F401  (CollectiveError: importable from here, as 
     PeerExitedError,
     allgather_checked,
 )
+from .polling import default_yields, pause, ranks_outnumber_cores
 from .query_channel import QueryChannel
 from .shm_agreement import AGREEMENT_ENV, ShmAllgather, shm_agreement_wanted
 from .signatures import CallKey, describe_call, fingerprint, format_mismatch, format_ranks
@@ -142,6 +143,8 @@ class AgreementGuard:
         self._query = self._channel.comm
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         node_size = node.Get_size()
+        # Where the node's ranks outnumber its cores, polls sleep after their yields (polling).
+        self._yields = default_yields(ranks_outnumber_cores(node))
         node.Free()
         # One collective: a bad setting raises on every rank; the index is the same on every rank of
         # comm (queries and replies name guards by it), even when ranks have made different numbers of
@@ -311,6 +314,7 @@ class AgreementGuard:
             interval = self._stall_warning
             next_stall = start + interval if interval > 0 else math.inf
             delay = 5e-5
+            polls = 0
             while True:
                 if req.Test():
                     return False
@@ -329,7 +333,8 @@ class AgreementGuard:
                 if now >= deadline:
                     break
                 if now < yield_end:
-                    os.sched_yield()
+                    polls += 1
+                    pause(polls, 0, self._yields)
                 else:
                     time.sleep(min(delay, deadline - now))
                     delay = min(delay * 2, _MAX_SLEEP)
