@@ -30,13 +30,17 @@ by rank j), then writes it; rank j reads it from its own segment, then packs
 into it. 2 ranks, 1 MiB: 85 against 104 us; 4 ranks, 1 MiB: 371 against 477
 us (one synchronisation and a sum of every segment by every rank).
 
-Two buckets alternate, so a reduce needs two synchronisations, not three: a
-rank can pack bucket b only after the first synchronisation of the previous
-call (on bucket 1-b), which every rank reaches only after it has finished
-reading bucket b (and an owner pushes into bucket b only after that call's
-first synchronisation too). In step 2 only the owner of slice i reads slice
-i of any segment, and it pushes into a block only after summing it. Pieces
-are therefore valid until the next ``pack_buffer``.
+Why two synchronisations suffice, with one bucket: a rank packs its segment
+for the next call only after this call's second synchronisation, which every
+rank reaches only after it has finished reading the segments (in step 2 only
+the owner of slice i reads slice i of any segment, and it pushes into a block
+only after summing it); it reads its own result from its segment before it
+packs again, and owners push into it only after the next call's first
+synchronisation. Pieces are therefore valid until the next ``pack_buffer``.
+Two buckets alternate only after a one-synchronisation reduce (below), where
+a fast rank may pack again while a slow one still reads every segment.
+Staying on one bucket otherwise keeps the memory a run of calls touches at
+one bucket, not two.
 Nodes of different sizes work too: slices are owned by the first P local
 ranks of each node, P the smallest node's size.
 
@@ -317,8 +321,7 @@ class ShmAllreduceBackend:
             self._wait(self.layout.cross_comm.Iallreduce(MPI.IN_PLACE, plan.cross, op=_MPI_OPS[op]))
             for target in plan.cross_targets:
                 copyto(target, plan.cross)
-        sync.wait()
-        self._bucket ^= 1
+        sync.wait()  # the same bucket next time: every rank has read the segments (module docstring)
         return list(plan.pieces)
 
     def allreduce_packed_to(self, count: int, dtype: np.dtype, op: str, out: np.ndarray, synced: bool = False) -> None:
