@@ -210,6 +210,18 @@ def test_different_bytes_per_pack_raise_on_every_rank(rc):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_different_bytes_per_pack_in_broadcast_raise_on_every_rank(rc):
+    # Broadcast fuses its arrays too: buckets cut at different sizes would mean different Bcast calls.
+    arrays = [np.full(100, float(rc.rank)) for _ in range(8)]
+    mine = CommunicationOptions(bytes_per_pack=800 * (2 if rc.rank == 0 else 1))
+    same = CommunicationOptions(bytes_per_pack=800)
+    _raises_everywhere(lambda: rc.broadcast(arrays, root=1, options=mine), CollectiveMismatchError,
+                       r"Mismatched broadcast bytes_per_pack", r"rank 0: 1600; rank 1: 800")
+    out = rc.broadcast(arrays, root=1, options=same)
+    assert all(np.all(o == 1.0) for o in out)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_close_receives_the_messages_nobody_read(comm, monkeypatch):
     # A peer's reply to a query whose collective completed meanwhile is never read (the querying rank

@@ -72,7 +72,7 @@ def check_aux(pack_bytes: int, staged_first: bool = False) -> int:
     return pack_bytes << 1 | (STAGED_FIRST if staged_first else 0)
 
 
-def require_same_pack(aux: np.ndarray) -> bool:
+def require_same_pack(aux: np.ndarray, call: str = "allreduce") -> bool:
     """Raise (on every rank: all see the same values) unless every rank fuses with the same bucket size;
     whether every rank staged its first bucket before its check (:data:`STAGED_FIRST`).
 
@@ -83,7 +83,7 @@ def require_same_pack(aux: np.ndarray) -> bool:
     if lo >> 1 != hi >> 1:
         detail = "; ".join(f"rank {r}: {int(p) >> 1}" for r, p in enumerate(aux))
         raise CollectiveMismatchError(
-            f"Mismatched allreduce bytes_per_pack ({detail}): the ranks would fuse different buckets; "
+            f"Mismatched {call} bytes_per_pack ({detail}): the ranks would fuse different buckets; "
             "pass the same CommunicationOptions on every rank"
         )
     return bool(lo & STAGED_FIRST)

@@ -432,7 +432,9 @@ class RankCommunicator:
             if error is None and kinds is not None and CAI in kinds:
                 error = TypeError("broadcast: buffers with only __cuda_array_interface__ are not supported")
         key = ("broadcast", (("root", int(root) if error is None else repr(root)),), sig)
-        self._agree_or_raise(key, error, timeout)
+        aux = self._agree_or_raise(key, error, timeout, check_aux(pack_bytes))
+        if aux is not None:  # buckets cut at different sizes: different Bcast calls
+            require_same_pack(aux, "broadcast")
         for entry in sig:
             mpi_datatype(np.dtype(entry[1]))
         if self.size == 1:
