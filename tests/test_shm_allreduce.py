@@ -135,8 +135,8 @@ def test_buckets_survive_a_slow_reader(backend):
         one_sync = direct and step % 3 == 2
         count = 64 if one_sync else 3001 + step
         x = np.full(count, step * 10 + comm.rank, np.int64)
-        buckets.append(backend._bucket)
         buf = backend.pack_buffer(count, np.int64)
+        buckets.append(backend._bucket)
         buf[:] = x
         expect = step * 10 * comm.size + sum(range(comm.size))
         if one_sync:
@@ -619,8 +619,8 @@ def test_every_rank_reads_the_whole_result_from_its_own_segment(backend):
     for k in range(6):
         x = _data(50000 + k, "float32", comm.rank, seed=k)
         expected = np.sum(comm.allgather(x), axis=0, dtype=np.float64)
-        bucket = backend._bucket
         backend.pack_buffer(x.size, x.dtype)[:] = x
+        bucket = backend._bucket  # after pack_buffer: growing the window starts again at bucket 0
         [(start, piece)] = backend.allreduce_packed(x.size, x.dtype, "sum")
         own = backend._typed(bucket, x.dtype)[backend.layout.local_rank]
         assert start == 0 and np.shares_memory(piece, own), "the result must lie in this rank's segment"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm.polling import OVERSUBSCRIBED_YIELDS, SLEEP_SECONDS, pause
+from mpistrat.comm.polling import OVERSUBSCRIBED_YIELDS, SLEEP_SECONDS, pause, reads_clock
 from mpistrat.comm.shm_window import PAGE_SIZE, CounterSync, SharedWindow, make_sync
 
 
@@ -46,9 +46,10 @@ def test_segments_visible_to_peers(node, kind):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_counter_sync_timeout_names_missing_ranks(node):
+@pytest.mark.parametrize("yields", [None, OVERSUBSCRIBED_YIELDS])
+def test_counter_sync_timeout_names_missing_ranks(node, yields):
     w = SharedWindow(node, 64)
-    s = CounterSync(w, timeout=0.3, rank_names=[100 + r for r in range(w.size)])
+    s = CounterSync(w, spin=0, yields=yields, timeout=0.3, rank_names=[100 + r for r in range(w.size)])
     try:
         if w.rank == 0:
             t0 = time.monotonic()
@@ -103,6 +104,9 @@ def test_pause_spins_then_yields_then_sleeps():
     assert blocked(12, 10, 2) == 0, "within the yields: no sleep"
     assert blocked(10_000, 10, None) == 0, "yields=None: never a sleep"
     assert blocked(13, 10, 2) == 20, "past spin + yields: every poll sleeps"
+    # A wait with a timeout reads the clock at its first pause, every 1024th, and at every sleep.
+    assert [p for p in range(11, 3000) if reads_clock(p, 10, None)] == [11, 1024, 2048]
+    assert [p for p in range(11, 20) if reads_clock(p, 10, 2)] == [11, 13, 14, 15, 16, 17, 18, 19]
     t = time.perf_counter()
     pause(13, 10, 2)
     assert time.perf_counter() - t >= SLEEP_SECONDS

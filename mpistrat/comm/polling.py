@@ -38,6 +38,7 @@ __all__ = [
     "default_spin",
     "default_yields",
     "pause",
+    "reads_clock",
     "ranks_outnumber_cores",
 ]
 
@@ -70,6 +71,13 @@ def pause(polls: int, spin: int, yields: int | None) -> None:
         time.sleep(SLEEP_SECONDS)
     else:
         os.sched_yield()
+
+
+def reads_clock(polls: int, spin: int, yields: int | None) -> bool:
+    """Whether a wait with a timeout reads the clock after the ``polls``-th poll (past ``spin``): at the
+    first pause (its deadline starts), every 1024th, and every one once it sleeps (a sleep costs far
+    more than the clock; checked only every 1024 sleeps, a timeout would come some 70 ms late)."""
+    return polls == spin + 1 or (polls & 1023) == 0 or (yields is not None and polls - spin > yields)
 
 
 def _affinity() -> set[int]:

@@ -72,7 +72,8 @@ Environment knobs (constructor arguments override them):
   suffixes allowed; ``0`` takes it for every size), ``off`` (never), or
   ``auto`` (default: measured at start-up, once per process and rank set).
 * ``MPISTRAT_SHM_MAX_BYTES``: largest bucket, per rank (default 64M). The
-  window takes ``2 x`` this per rank at most (two buckets).
+  window takes ``2 x`` this per rank at most (two buckets; one across nodes,
+  where no reduce takes one synchronisation).
 * ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
 * ``MPISTRAT_SHM_CHUNK_BYTES``: ``allreduce_array`` reduces longer arrays
   chunk by chunk, two synchronisations per chunk, so each chunk stays in
@@ -106,7 +107,7 @@ from .shm_calibration import AUTO_CHUNK_BYTES
 from .shm_plan import ReducePlan, make_plan
 from .shm_results import PRIVATE, SLOTS, ResultBlocks, SharedResults
 from .shm_settings import agree_settings, parse_bytes, read_settings
-from .polling import default_spin, default_yields, pause, ranks_outnumber_cores
+from .polling import default_spin, default_yields, pause, ranks_outnumber_cores, reads_clock
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout, resolve_pretend_nodes
 
@@ -345,9 +346,9 @@ class ShmAllreduceBackend:
         if not synced:
             self._sync.wait()
         _sum_segments(ufunc, views, 0, count, out)
-        # No second synchronisation: a rank packs this bucket again only two
-        # calls later, after the next call's synchronisation, which every
-        # rank reaches only once it has finished reading here.
+        # No second synchronisation: a rank packs this bucket again at the earliest two calls
+        # later, with at least one synchronisation between, which every rank reaches only once
+        # it has finished reading here (two-synchronisation calls stay on the other bucket).
         self._bucket ^= 1
 
     def allreduce_array(
@@ -534,7 +535,8 @@ class ShmAllreduceBackend:
         if self._window is not None:
             self._window.free()
             self._window = None
-        self._window = SharedWindow(self.layout.node_comm, 2 * cap)
+        buckets = 2 if self.direct_max_bytes >= 0 else 1  # without one-synchronisation reduces, one bucket
+        self._window = SharedWindow(self.layout.node_comm, buckets * cap)
         names = self.layout.node_comm.allgather(self.layout.comm.Get_rank())
         kw = {"timeout": self.timeout_seconds, "rank_names": names, "spin": self.spin, "yields": self.yields}
         kw = kw if self.sync_kind == "counter" else {}
@@ -551,7 +553,7 @@ class ShmAllreduceBackend:
             polls += 1
             if polls > self.spin:
                 pause(polls, self.spin, self.yields)
-                if self.timeout_seconds is not None and (polls & 1023) == 0:
+                if self.timeout_seconds is not None and reads_clock(polls, self.spin, self.yields):
                     now = time.monotonic()
                     deadline = deadline or now + self.timeout_seconds
                     if now > deadline:

@@ -50,7 +50,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .polling import default_spin, pause
+from .polling import default_spin, pause, reads_clock
 
 __all__ = [
     "PAGE_SIZE",
@@ -255,10 +255,11 @@ class CounterSync(NodeSync):
                 polls += 1
                 if polls > spin:
                     pause(polls, spin, yields)
-                    if (polls & 1023) == 0:
+                    if reads_clock(polls, spin, yields):
+                        now = time.monotonic()
                         if deadline is None:
-                            deadline = time.monotonic() + self.timeout if self.timeout is not None else float("inf")
-                        elif time.monotonic() > deadline:
+                            deadline = now + self.timeout if self.timeout is not None else float("inf")
+                        elif now > deadline:
                             self._raise_timeout(epoch)
                 sync()
         self._data_win.Sync()  # peers' data stores visible before our loads
