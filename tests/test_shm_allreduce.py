@@ -394,7 +394,8 @@ def test_reduce_into_private_memory_matches_mpi(backend, dtype, op):
 
 @pytest.mark.mpi(min_size=2)
 def test_one_synchronisation_survives_a_slow_reader(monkeypatch):
-    """A fast rank must never repack a bucket that a slow peer is still summing."""
+    """A fast rank must never repack a bucket that a slow peer is still summing, also when
+    one-synchronisation reduces (small arrays) and two-synchronisation ones (large) alternate."""
     comm = MPI.COMM_WORLD
     b = ShmAllreduceBackend(comm, min_bytes=0)
     try:
@@ -412,11 +413,13 @@ def test_one_synchronisation_survives_a_slow_reader(monkeypatch):
             monkeypatch.setitem(shm_allreduce._UFUNCS, "sum", slow_add)
         n = comm.size
         bad = []
-        for step in range(6):  # no other collective in between: the fast ranks race ahead
-            x = np.arange(5000, dtype=np.int64) + 1000 * comm.rank + step
+        large = b.direct_max_bytes // 8 + 4099
+        counts = [5000, 5000, large, 5000, large, large, 5000, 5000, large]
+        for step, count in enumerate(counts):  # no other collective in between: the fast ranks race ahead
+            x = np.arange(count, dtype=np.int64) + 1000 * comm.rank + step
             out = np.empty_like(x)
             b.allreduce_array(x, out, "sum")
-            expect = n * np.arange(5000) + 1000 * n * (n - 1) // 2 + n * step
+            expect = n * np.arange(count) + 1000 * n * (n - 1) // 2 + n * step
             if not np.array_equal(out, expect):
                 bad.append(step)
         monkeypatch.setitem(shm_allreduce._UFUNCS, "sum", original)
