@@ -77,7 +77,7 @@ from .errors import (  # noqa: F401  (CollectiveError: importable from here, as 
     PeerExitedError,
     allgather_checked,
 )
-from .polling import default_yields, pause, ranks_outnumber_cores
+from .polling import default_spin, default_yields, pause, ranks_outnumber_cores
 from .query_channel import QueryChannel
 from .shm_agreement import AGREEMENT_ENV, ShmAllgather, shm_agreement_wanted
 from .signatures import CallKey, describe_call, fingerprint, format_mismatch, format_ranks
@@ -174,8 +174,7 @@ class AgreementGuard:
         self._qid = 0
         # More ranks than cores on this node: no pure spin (a spinning rank
         # keeps the peer it waits for off the CPU); yield from the start.
-        oversubscribed = node_size > len(os.sched_getaffinity(0))
-        self._spin_seconds = 0.0 if oversubscribed else _SPIN_SECONDS
+        self._spin_seconds = 0.0 if default_spin(node_size) == 0 else _SPIN_SECONDS
         self.broken: str | None = None
         self.abandoned_seq: int | None = None
         self._open: tuple | None = None  # a started check: (request, key, timeout, fingerprint, arrival ms)

@@ -103,11 +103,11 @@ from mpi4py import MPI
 
 from . import shm_calibration
 from .errors import allgather_checked
+from .polling import default_spin, default_yields, pause, ranks_outnumber_cores, reads_clock
 from .shm_calibration import AUTO_CHUNK_BYTES
 from .shm_plan import ReducePlan, make_plan
 from .shm_results import PRIVATE, SLOTS, ResultBlocks, SharedResults
 from .shm_settings import agree_settings, parse_bytes, read_settings
-from .polling import default_spin, default_yields, pause, ranks_outnumber_cores, reads_clock
 from .shm_window import PAGE_SIZE, NodeSync, SharedWindow, exiting_cleanly, make_sync
 from .topology import NodeLayout, node_layout, resolve_pretend_nodes
 
