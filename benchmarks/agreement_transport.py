@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 import mpistrat as ms
 from allreduce import paired_ratio, samples
-from mpistrat.comm.shm_agreement import AGREEMENT_ENV
+from mpistrat.comm.agreement.shm_allgather import AGREEMENT_ENV
 
 
 def strategy_with_check(transport: str) -> ms.MultiWorkerMirroredStrategy:

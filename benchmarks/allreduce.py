@@ -51,7 +51,7 @@ from mpi4py import MPI
 import mpistrat as ms
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.shm_allreduce import AUTO_CHUNK_BYTES, ShmAllreduceBackend
+from mpistrat.comm.transport.shm.allreduce import AUTO_CHUNK_BYTES, ShmAllreduceBackend
 
 
 @dataclass

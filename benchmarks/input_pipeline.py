@@ -148,7 +148,7 @@ def worker(root: str, global_batch: int, repeats: int, min_seconds: float, out: 
     from mpi4py import MPI
 
     import mpistrat.data as D
-    from mpistrat.input_options import InputOptions, InputWorkerInfo
+    from mpistrat.distribute.input_options import InputOptions, InputWorkerInfo
 
     comm = MPI.COMM_WORLD
     W, w = comm.Get_size(), comm.Get_rank()
@@ -200,7 +200,7 @@ def worker(root: str, global_batch: int, repeats: int, min_seconds: float, out: 
 def prefetch_overlap(root: str, steps: int, batch: int, repeats: int) -> list:
     import mpistrat.data as D
     from mpistrat.data.distribute import DistributedDataset
-    from mpistrat.input_options import InputOptions, InputWorkerInfo
+    from mpistrat.distribute.input_options import InputOptions, InputWorkerInfo
 
     info = InputWorkerInfo.single(("/cpu:0",))
     # a per-record decode (Python work in the input pipeline) makes input cost real

@@ -77,7 +77,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.shm_allreduce import ShmAllreduceBackend, parse_bytes
+from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend, parse_bytes
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from mpistrat.context import (
+from mpistrat.distribute.context import (
     experimental_set_strategy,
     get_cross_replica_context,
     get_replica_context,
@@ -18,13 +18,13 @@ from mpistrat.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from mpistrat.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
+from mpistrat.distribute.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
 from mpistrat.devices import DeviceSpec, device_of, to_device
-from mpistrat.distribute_lib import ReplicaContext, RunOptions, Strategy, StrategyExtended, ValueContext
-from mpistrat.mirrored import MirroredStrategy
-from mpistrat.one_device import OneDeviceStrategy
-from mpistrat.values import DistributedValues, Mirrored, PerReplica, ReduceOp
-from mpistrat.variables import (
+from mpistrat.distribute.strategy import ReplicaContext, RunOptions, Strategy, StrategyExtended, ValueContext
+from mpistrat.distribute.mirrored import MirroredStrategy
+from mpistrat.distribute.one_device import OneDeviceStrategy
+from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+from mpistrat.distribute.variables import (
     DistributedVariable,
     MirroredVariable,
     SyncOnReadVariable,
@@ -39,10 +39,10 @@ __version__ = "0.1.0"
 
 # Names whose modules need MPI or optional parts are imported on first use.
 _LAZY = {
-    "MultiWorkerMirroredStrategy": ("mpistrat.multi_worker", "MultiWorkerMirroredStrategy"),
-    "InputOptions": ("mpistrat.input_options", "InputOptions"),
-    "InputContext": ("mpistrat.input_options", "InputContext"),
-    "InputReplicationMode": ("mpistrat.input_options", "InputReplicationMode"),
+    "MultiWorkerMirroredStrategy": ("mpistrat.distribute.multi_worker", "MultiWorkerMirroredStrategy"),
+    "InputOptions": ("mpistrat.distribute.input_options", "InputOptions"),
+    "InputContext": ("mpistrat.distribute.input_options", "InputContext"),
+    "InputReplicationMode": ("mpistrat.distribute.input_options", "InputReplicationMode"),
     "DistributedDataset": ("mpistrat.data.distribute", "DistributedDataset"),
     "DistributedIterator": ("mpistrat.data.distribute", "DistributedIterator"),
     "cluster_resolver": ("mpistrat.cluster_resolver", None),

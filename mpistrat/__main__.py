@@ -1,43 +1,8 @@
-"""``python -m mpistrat COMMAND``: command-line tools (``info``; others add theirs).
+"""``python -m mpistrat COMMAND``: the command-line tools of :mod:`mpistrat.tools.cli`."""
 
-A command is a module with ``add_arguments(parser)`` and ``run(args) -> int``,
-listed in ``COMMANDS``; only the chosen command's module is imported.
-"""
-
-from __future__ import annotations
-
-import argparse
-import importlib
 import sys
-from typing import Sequence
 
-__all__ = ["COMMANDS", "main"]
-
-#: name -> (module, one-line help). Add a command by adding a line here.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("mpistrat.info", "print MPI, CUDA, GPU and device facts for every rank"),
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m mpistrat",
-                                     description="mpistrat command-line tools")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chosen = argv[0] if argv else None
-    for name, (module, text) in COMMANDS.items():
-        cmd = sub.add_parser(name, help=text, description=text)
-        if name == chosen:
-            mod = importlib.import_module(module)
-            mod.add_arguments(cmd)
-            cmd.set_defaults(_run=mod.run)
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    return int(args._run(args) or 0)
-
+from mpistrat.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,10 +3,10 @@
 ``MPIClusterResolver`` (one MPI rank = one worker), ``SlurmClusterResolver``
 (TensorFlow's, read from a Slurm step), their base ``ClusterResolver``,
 ``ClusterSpec``, and ``default_cluster_resolver()`` (Slurm inside a matching
-step, else MPI). Details in ``mpistrat.comm.cluster``.
+step, else MPI). Details in ``mpistrat.cluster.resolvers``.
 """
 
-from mpistrat.comm.cluster import (
+from mpistrat.cluster.resolvers import (
     ClusterResolver,
     ClusterSpec,
     MPIClusterResolver,
@@ -14,7 +14,7 @@ from mpistrat.comm.cluster import (
     default_cluster_resolver,
     local_devices_for,
 )
-from mpistrat.comm.hostlist import expand_hostlist, expand_tasks_per_node
+from mpistrat.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 
 __all__ = [
     "ClusterResolver",

@@ -37,7 +37,7 @@ def pytest_runtest_logreport(report):
     sys.stderr.write(text)
     sys.stderr.flush()
     sys.stdout.flush()
-    from mpistrat.comm.abort import abort_world  # noqa: PLC0415 - MPICH leaves /dev/shm files at a bare Abort
+    from mpistrat.comm.runtime.abort import abort_world  # noqa: PLC0415 - MPICH leaves /dev/shm files at a bare Abort
 
     abort_world(1)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpistrat.comm.hostlist import expand_hostlist, expand_tasks_per_node
+from mpistrat.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 
 
 @pytest.mark.parametrize("text, hosts", [

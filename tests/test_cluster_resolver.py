@@ -12,7 +12,7 @@ from mpistrat.cluster_resolver import (
     default_cluster_resolver,
     local_devices_for,
 )
-from mpistrat.comm.cluster import gpu_binding
+from mpistrat.cluster.resolvers import gpu_binding
 from mpistrat.devices import num_gpus
 
 

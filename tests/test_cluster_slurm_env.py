@@ -10,7 +10,7 @@ import os
 import pytest
 
 from mpistrat.cluster_resolver import ClusterSpec, SlurmClusterResolver
-from mpistrat.comm.cluster import in_slurm_step, local_devices_for
+from mpistrat.cluster.resolvers import in_slurm_step, local_devices_for
 
 
 @pytest.fixture

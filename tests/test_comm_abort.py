@@ -10,7 +10,7 @@ import time
 import pytest
 from mpirun import mpich_shm_files
 
-from mpistrat.comm import abort
+from mpistrat.comm.runtime import abort
 
 BOUND_SECONDS = 30
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm import backends
+from mpistrat.comm.transport import table as backends
 from mpistrat.comm import allreduce_steps
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.safety import CollectiveMismatchError, CollectiveTimeoutError
-from mpistrat.comm.shm_allreduce import ShmAllreduceBackend
+from mpistrat.comm.agreement.guard import CollectiveMismatchError, CollectiveTimeoutError
+from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend
 
 # name -> the arrays of one call: one array on the reduce-scatter path (above
 # the one-synchronisation size), one small array, a fused list of ten.

@@ -197,7 +197,7 @@ def test_shm_and_mpi_implementations_agree(comm):
 
 
 def test_normalize_op():
-    from mpistrat.values import ReduceOp
+    from mpistrat.distribute.values import ReduceOp
 
     assert normalize_op("SUM") == "sum" and normalize_op(ReduceOp.MAX) == "max"
     with pytest.raises(ValueError, match="divide"):
@@ -231,7 +231,7 @@ class PickleBackend:
 
 @pytest.mark.mpi(min_size=2)
 def test_backend_table_is_extensible(comm):
-    from mpistrat.comm import backends
+    from mpistrat.comm.transport import table as backends
 
     saved = dict(backends.FACTORIES), dict(backends.PREFERENCES)
     try:
@@ -277,7 +277,7 @@ def test_hot_path_allocates_no_arrays(rc):
 def test_dropped_communicator_is_released_once_dropped_on_every_rank(comm):
     from mpi4py import MPI
 
-    from mpistrat.comm import lifetime
+    from mpistrat.comm.runtime import lifetime
 
     lifetime.release_dropped(comm)  # earlier tests' leftovers
     kept = RankCommunicator(comm, CommunicationOptions(implementation="SHM"))
@@ -300,7 +300,7 @@ def test_dropped_sub_communicator_is_released_by_a_collective_point_over_all_ran
     # point over all ranks releases it once every rank of the split has dropped it.
     from mpi4py import MPI
 
-    from mpistrat.comm import lifetime
+    from mpistrat.comm.runtime import lifetime
 
     lifetime.release_dropped(comm)  # earlier tests' leftovers
     sub = comm.Split(color=comm.rank % 2, key=comm.rank)

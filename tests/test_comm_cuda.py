@@ -9,7 +9,7 @@ tests are marked ``gpu``.
 import numpy as np
 import pytest
 
-from mpistrat.comm import cuda
+from mpistrat.comm.transport import cuda
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
 
@@ -73,7 +73,7 @@ def test_cuda_array_interface_allreduce_inplace(comm, monkeypatch):
 
 @pytest.mark.mpi(min_size=1)
 def test_cuda_aware_path_synchronises_the_producer_before_mpi(comm, monkeypatch):
-    from mpistrat.comm import backends
+    from mpistrat.comm.transport import table as backends
 
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
     seen = []
@@ -142,7 +142,7 @@ def test_pinned_staging_reuses_buffers():
 @pytest.mark.mpi(min_size=2)
 def test_host_on_one_rank_device_on_another_is_a_mismatch(comm, monkeypatch):
     # Buckets are planned per kind, so kinds must agree across ranks: a clear error, not garbage.
-    from mpistrat.comm.safety import CollectiveMismatchError
+    from mpistrat.comm.agreement.guard import CollectiveMismatchError
 
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
     with RankCommunicator(comm) as rc:

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm import lifetime
+from mpistrat.comm.runtime import lifetime
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.safety import CollectiveMismatchError, CollectiveTimeoutError, CommunicatorBrokenError
-from mpistrat.comm.signatures import describe_call, fingerprint, format_mismatch
+from mpistrat.comm.agreement.guard import CollectiveMismatchError, CollectiveTimeoutError, CommunicatorBrokenError
+from mpistrat.comm.agreement.signatures import describe_call, fingerprint, format_mismatch
 
 
 @pytest.fixture

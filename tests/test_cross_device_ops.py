@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import mpistrat as ms
-from mpistrat.cross_device_ops import destination_devices, select_cross_device_ops
+from mpistrat.distribute.cross_device_ops import destination_devices, select_cross_device_ops
 
 CPU = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
 

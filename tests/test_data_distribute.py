@@ -14,8 +14,8 @@ from mpistrat.data.distribute import DistributedDataset, DistributedDatasetsFrom
 from mpistrat.data.prefetch import live_producer_threads
 from mpistrat.data.spec import PerReplicaSpec
 from mpistrat.data.splitting import rotated_sizes, split_sizes
-from mpistrat.input_options import InputContext, InputOptions, InputReplicationMode, InputWorkerInfo
-from mpistrat.values import PerReplica
+from mpistrat.distribute.input_options import InputContext, InputOptions, InputReplicationMode, InputWorkerInfo
+from mpistrat.distribute.values import PerReplica
 
 ONE = InputWorkerInfo.single(("/cpu:0",))
 TWO = InputWorkerInfo.single(("/cpu:0", "/cpu:1"))
@@ -260,7 +260,7 @@ def test_interpreter_exits_with_an_unfinished_prefetching_iterator(tmp_path):
     script.write_text(
         "import mpistrat.data as D\n"
         "from mpistrat.data.distribute import DistributedDataset\n"
-        "from mpistrat.input_options import InputOptions, InputWorkerInfo\n"
+        "from mpistrat.distribute.input_options import InputOptions, InputWorkerInfo\n"
         "ds = D.Dataset.range(10).repeat().batch(2).prefetch(2)\n"
         "it = iter(DistributedDataset(ds, InputWorkerInfo.single(('/cpu:0', '/cpu:1')), InputOptions(experimental_per_replica_buffer_size=4)))\n"
         "next(it)\n"

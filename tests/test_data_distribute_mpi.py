@@ -20,8 +20,8 @@ import mpistrat.data as D
 from mpistrat.data import InputPipelineError, Options
 from mpistrat.data.distribute import DistributedDataset, DistributedDatasetsFromFunction
 from mpistrat.data.experimental import AutoShardPolicy
-from mpistrat.input_options import InputOptions, InputWorkerInfo
-from mpistrat.values import PerReplica
+from mpistrat.distribute.input_options import InputOptions, InputWorkerInfo
+from mpistrat.distribute.values import PerReplica
 
 TF_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tfrecord"
 if not TF_DIR.is_dir():
@@ -417,7 +417,7 @@ def test_a_stuck_rank_makes_the_others_time_out_instead_of_hanging(comm):
     try:
         from mpistrat.comm.communicator import RankCommunicator
         from mpistrat.comm.options import CommunicationOptions
-        from mpistrat.comm.safety import CollectiveError
+        from mpistrat.comm.agreement.guard import CollectiveError
     except ImportError:
         pytest.skip("needs mpistrat.comm.communicator")
     import time

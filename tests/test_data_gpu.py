@@ -7,7 +7,7 @@ import pytest
 
 import mpistrat.data as D
 from mpistrat.data.distribute import DistributedDataset, DistributedDatasetsFromFunction
-from mpistrat.input_options import InputOptions, InputReplicationMode, InputWorkerInfo
+from mpistrat.distribute.input_options import InputOptions, InputReplicationMode, InputWorkerInfo
 
 
 @pytest.mark.gpu

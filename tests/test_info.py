@@ -9,9 +9,9 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from mpistrat.__main__ import COMMANDS, main
+from mpistrat.tools.cli import COMMANDS, main
 from mpistrat.devices import num_gpus
-from mpistrat.info import collect, format_table, mpi_cuda_support
+from mpistrat.tools.info import collect, format_table, mpi_cuda_support
 
 
 def _env(**extra):

@@ -274,7 +274,8 @@ def test_cross_rank_semantics_outside_scope_and_in_merge_fn(strategy):
 
 @pytest.mark.mpi(min_size=2)
 def test_dropped_strategy_frees_its_shared_window():
-    from mpistrat.comm import lifetime, shm_window
+    from mpistrat.comm.runtime import lifetime
+    from mpistrat.comm.transport.shm import window as shm_window
 
     lifetime.release_dropped()  # earlier tests' strategies
     base = len(shm_window._OPEN)

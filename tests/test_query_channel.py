@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm.query_channel import QueryChannel
+from mpistrat.comm.agreement.query_channel import QueryChannel
 
 
 @pytest.mark.mpi(min_size=2)

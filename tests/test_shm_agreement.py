@@ -17,9 +17,9 @@ from mpistrat.comm.allreduce_steps import check_aux, require_same_pack
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.errors import CollectiveMismatchError
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.safety import AgreementGuard
-from mpistrat.comm.shm_agreement import AGREEMENT_ENV, ShmAllgather, shm_agreement_wanted
-from mpistrat.comm.shm_allreduce import ShmAllreduceBackend
+from mpistrat.comm.agreement.guard import AgreementGuard
+from mpistrat.comm.agreement.shm_allgather import AGREEMENT_ENV, ShmAllgather, shm_agreement_wanted
+from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend
 
 
 @pytest.mark.parametrize("text, wanted", [("", True), ("auto", True), (" MPI ", False), ("mpi", False)])

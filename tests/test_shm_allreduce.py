@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm import shm_allreduce, shm_calibration
-from mpistrat.comm.polling import OVERSUBSCRIBED_YIELDS, ranks_outnumber_cores
-from mpistrat.comm.shm_allreduce import ShmAllreduceBackend, parse_bytes
-from mpistrat.comm.topology import node_layout
+from mpistrat.comm.transport.shm import allreduce as shm_allreduce
+from mpistrat.comm.transport.shm import calibration as shm_calibration
+from mpistrat.comm.runtime.waiter import OVERSUBSCRIBED_YIELDS, ranks_outnumber_cores
+from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend, parse_bytes
+from mpistrat.comm.runtime.topology import node_layout
 
 SIZES = [0, 1, 2, 3, 5, 17, 1000, 4099, 65539, 300001]
 DTYPES = ["float32", "float64", "int32", "int64"]

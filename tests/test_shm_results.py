@@ -19,8 +19,8 @@ from mpi4py import MPI
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.fusion import ResultPool, plan_buckets
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.shm_allreduce import ShmAllreduceBackend
-from mpistrat.comm.shm_results import MAX_BYTES, PRIVATE, SLOTS, ResultBlocks
+from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend
+from mpistrat.comm.transport.shm.results import MAX_BYTES, PRIVATE, SLOTS, ResultBlocks
 
 OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 # Above the one-synchronisation limit (256 KiB when ranks outnumber cores): the reduce-scatter

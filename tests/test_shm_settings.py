@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpistrat.comm.shm_settings import NEVER, ShmSettings, agree_settings, read_settings
+from mpistrat.comm.transport.shm.settings import NEVER, ShmSettings, agree_settings, read_settings
 
 
 def test_defaults_and_environment(monkeypatch):

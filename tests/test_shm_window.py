@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm.polling import OVERSUBSCRIBED_YIELDS, SLEEP_SECONDS, pause, reads_clock
-from mpistrat.comm.shm_window import PAGE_SIZE, CounterSync, SharedWindow, make_sync
+from mpistrat.comm.runtime.waiter import OVERSUBSCRIBED_YIELDS, SLEEP_SECONDS, pause, reads_clock
+from mpistrat.comm.transport.shm.window import PAGE_SIZE, CounterSync, SharedWindow, make_sync
 
 
 @pytest.fixture
@@ -161,13 +161,13 @@ def test_bad_arguments():
 _EXIT_SCRIPT = """
 import atexit, sys
 def check():  # registered first, so it runs after mpistrat's exit hooks
-    from mpistrat.comm import shm_window
+    from mpistrat.comm.transport.shm import window as shm_window
     from mpi4py import MPI
     print("open", len(shm_window._OPEN), "freed", backend_win[0] == MPI.WIN_NULL, "finalized", MPI.Is_finalized())
 atexit.register(check)
 import numpy as np
 from mpi4py import MPI
-from mpistrat.comm.shm_allreduce import ShmAllreduceBackend
+from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend
 b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=0)
 b.pack_buffer(100, np.float32)[:] = 1
 pieces = b.allreduce_packed(100, np.float32, "sum")
@@ -195,9 +195,9 @@ def test_no_collective_free_after_an_uncaught_exception(tmp_path):
     script = tmp_path / "exit_raise.py"
     script.write_text(
         "import atexit, importlib\n"
-        "atexit.register(lambda: print('still open', len(importlib.import_module('mpistrat.comm.shm_window')._OPEN)))\n"
+        "atexit.register(lambda: print('still open', len(importlib.import_module('mpistrat.comm.transport.shm.window')._OPEN)))\n"
         "from mpi4py import MPI\n"
-        "from mpistrat.comm.shm_allreduce import ShmAllreduceBackend\n"
+        "from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend\n"
         "b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=0)\n"
         "b.pack_buffer(10, 'float32')\n"
         "raise RuntimeError('boom')\n"
@@ -210,7 +210,7 @@ def test_no_collective_free_after_an_uncaught_exception(tmp_path):
 _OVERSUBSCRIPTION_SCRIPT = """
 import os
 from mpi4py import MPI
-from mpistrat.comm.polling import ranks_outnumber_cores
+from mpistrat.comm.runtime.waiter import ranks_outnumber_cores
 machine = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
 os.write(1, f"outnumber={ranks_outnumber_cores(machine)}\\n".encode())  # one write: lines never interleave
 """

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from slurm import slurm_cluster  # noqa: F401  (the fixture)
 
-from mpistrat.comm.hostlist import expand_hostlist
+from mpistrat.cluster.hostlist import expand_hostlist
 
 
 def slurm_test(func):
@@ -21,12 +21,12 @@ def slurm_test(func):
 
 PROBE = textwrap.dedent("""\
     import json, os, sys
-    from mpistrat.comm.cluster import SlurmClusterResolver
+    from mpistrat.cluster.resolvers import SlurmClusterResolver
     gpus_per_node = int(sys.argv[1]) if len(sys.argv) > 1 else None
     s = SlurmClusterResolver(gpus_per_node=gpus_per_node)   # before MPI and CUDA
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     from mpi4py import MPI
-    from mpistrat.comm.cluster import MPIClusterResolver, default_cluster_resolver
+    from mpistrat.cluster.resolvers import MPIClusterResolver, default_cluster_resolver
     m = MPIClusterResolver()
     d = default_cluster_resolver()
     sys.stdout.write(json.dumps({

@@ -11,8 +11,8 @@ import pytest
 
 from mpistrat.comm.communicator import RankCommunicator
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.safety import CollectiveTimeoutError, CommunicatorBrokenError
-from mpistrat.comm.stall import (
+from mpistrat.comm.agreement.guard import CollectiveTimeoutError, CommunicatorBrokenError
+from mpistrat.comm.agreement.stall import (
     DEFAULT_STALL_WARNING_SECONDS,
     STALL_SHUTDOWN_ENV,
     STALL_WARNING_ENV,
@@ -58,7 +58,7 @@ def test_report_format():
 
 
 def test_report_goes_to_stderr_without_logging_setup():
-    code = "from mpistrat.comm.stall import report_stall; report_stall('[rank 0] Stalled collective: test')"
+    code = "from mpistrat.comm.agreement.stall import report_stall; report_stall('[rank 0] Stalled collective: test')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "[rank 0] Stalled collective: test" in out.stderr, out
 

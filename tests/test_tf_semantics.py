@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mpistrat as ms
-from mpistrat.cross_device_ops import ReductionToOneDevice, select_cross_device_ops
+from mpistrat.distribute.cross_device_ops import ReductionToOneDevice, select_cross_device_ops
 
 SYNC = ms.VariableSynchronization
 AGG = ms.VariableAggregation
@@ -355,7 +355,7 @@ def test_a_replica_left_behind_by_an_interrupt_does_not_disturb_the_next_step(tm
     it must report to its own step, not to the new step's rendezvous (where it made a bogus
     CollectiveOrderError: one replica waiting in all_reduce plus one 'finished' looked stranded)."""
     proc = _run_interrupt_script(tmp_path, """
-        from mpistrat import replica_group
+        from mpistrat.distribute import replica_group
         late = replica_group.INTERRUPT_GRACE_SECONDS + 0.6
         def stuck():
             if rid() == 1:

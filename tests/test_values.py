@@ -5,7 +5,7 @@ import pytest
 
 import mpistrat as ms
 from mpistrat import nest
-from mpistrat.regroup import regroup, select_replica
+from mpistrat.distribute.regroup import regroup, select_replica
 
 
 @pytest.mark.parametrize("text", ["sum", "SUM", "Sum", " mean ", "MIN", "max"])
@@ -67,7 +67,7 @@ def test_regroup_and_select_replica():
 
 
 def test_contains_distributed_finds_a_distributed_value_anywhere():
-    from mpistrat.regroup import contains_distributed
+    from mpistrat.distribute.regroup import contains_distributed
 
     pr = ms.PerReplica((np.zeros(1), np.ones(1)))
     plain = [np.zeros(2) for _ in range(20)]

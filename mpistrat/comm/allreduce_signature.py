@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .allreduce_steps import CAI, CUPY, HOST
-from .cuda import is_cupy_array, is_device_buffer
+from mpistrat.comm.allreduce_steps import CAI, CUPY, HOST
+from mpistrat.comm.transport.cuda import is_cupy_array, is_device_buffer
 
 __all__ = ["allreduce_signature"]
 

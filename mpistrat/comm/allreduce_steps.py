@@ -14,9 +14,9 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .backends import DeviceMpiAllreduceBackend, GrowableBuffers, MpiAllreduceBackend, stages_locally
-from .errors import CollectiveMismatchError
-from .fusion import Bucket, ResultPool, pack
+from mpistrat.comm.transport.table import DeviceMpiAllreduceBackend, GrowableBuffers, MpiAllreduceBackend, stages_locally
+from mpistrat.comm.errors import CollectiveMismatchError
+from mpistrat.comm.fusion import Bucket, ResultPool, pack
 
 __all__ = [
     "HOST", "CUPY", "CAI", "OVERLAP_MAX_BYTES", "STAGED_FIRST", "Step", "check_aux", "folds_sync", "overlaps_check",

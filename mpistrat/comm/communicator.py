@@ -1,14 +1,14 @@
 """RankCommunicator: the cross-rank collectives under the strategies.
 
 Every call first agrees with every rank on what is being done
-(:class:`~mpistrat.comm.safety.AgreementGuard`: one tiny collective that
+(:class:`~mpistrat.comm.agreement.guard.AgreementGuard`: one tiny collective that
 also carries per-rank sizes or codes where a call needs them), honouring
 ``options.timeout_seconds``, then moves the data:
 
 * ``allreduce``: arrays are grouped by kind (NumPy, CuPy, other
   ``__cuda_array_interface__`` objects) and dtype into buckets of up to
   ``bytes_per_pack`` (:mod:`~mpistrat.comm.fusion`), one MPI call per
-  bucket through the first enabled backend (:mod:`~mpistrat.comm.backends`).
+  bucket through the first enabled backend (:mod:`~mpistrat.comm.transport.table`).
   A bucket holding one contiguous array is reduced without packing, in place
   or into the result (the shared-memory backend copies it into its window:
   from 16 KiB that beat MPICH's in-place and send/receive ``Allreduce`` here).
@@ -20,7 +20,7 @@ also carries per-rank sizes or codes where a call needs them), honouring
 * ``step_agreement(code)``: one int per rank, carried by the check itself.
 
 CuPy arrays go to MPI directly when it is CUDA-aware
-(:func:`~mpistrat.comm.cuda.mpi_cuda_support`), after synchronising the
+(:func:`~mpistrat.comm.transport.cuda.mpi_cuda_support`), after synchronising the
 stream; otherwise through pinned host buffers. Other objects exposing only
 ``__cuda_array_interface__`` need a CUDA-aware MPI and ``inplace=True``.
 A one-rank communicator makes no MPI call and keeps the same semantics.
@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .backends import (
+from mpistrat.comm.transport.table import (
     MPI_OPS,
     DeviceMpiAllreduceBackend,
     GrowableBuffers,
@@ -44,7 +44,7 @@ from .backends import (
     mpi_datatype,
     select_backends,
 )
-from .allreduce_steps import (
+from mpistrat.comm.allreduce_steps import (
     CAI,
     CUPY,
     HOST,
@@ -55,15 +55,15 @@ from .allreduce_steps import (
     require_same_pack,
     run_steps,
 )
-from .allreduce_signature import allreduce_signature
-from .cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
-from .fusion import Bucket, pack, plan_buckets
-from .lifetime import Resources, release_dropped, track
-from .options import CommunicationOptions
-from .. import timeline
-from .errors import CollectiveError
-from .safety import AgreementGuard
-from .signatures import CallKey, fingerprint
+from mpistrat.comm.allreduce_signature import allreduce_signature
+from mpistrat.comm.transport.cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
+from mpistrat.comm.fusion import Bucket, pack, plan_buckets
+from mpistrat.comm.runtime.lifetime import Resources, release_dropped, track
+from mpistrat.comm.options import CommunicationOptions
+from mpistrat import timeline
+from mpistrat.comm.errors import CollectiveError
+from mpistrat.comm.agreement.guard import AgreementGuard
+from mpistrat.comm.agreement.signatures import CallKey, fingerprint
 
 __all__ = ["RankCommunicator", "normalize_op"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .signatures import CallKey
+from mpistrat.comm.agreement.signatures import CallKey
 
 __all__ = [
     "CollectiveError",

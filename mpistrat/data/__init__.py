@@ -29,13 +29,13 @@ Where this differs from tf.data / tf.distribute, on purpose:
   places each replica's values on its device as they are handed out.
 """
 
-from . import experimental
-from .dataset import AUTOTUNE, Dataset, NpyDataset, TextLineDataset, TFRecordDataset
-from .errors import DataLossError, InputPipelineError, OutOfRangeError
-from .example import FixedLenFeature, VarLenFeature, decode_example, encode_example, parse_single_example
-from .options import AutoShardPolicy, DistributeOptions, Options
-from .spec import TensorSpec
-from .tfrecord import TFRecordOptions, TFRecordWriter, tf_record_iterator
+from mpistrat.data import experimental
+from mpistrat.data.dataset import AUTOTUNE, Dataset, NpyDataset, TextLineDataset, TFRecordDataset
+from mpistrat.data.errors import DataLossError, InputPipelineError, OutOfRangeError
+from mpistrat.data.example import FixedLenFeature, VarLenFeature, decode_example, encode_example, parse_single_example
+from mpistrat.data.options import AutoShardPolicy, DistributeOptions, Options
+from mpistrat.data.spec import TensorSpec
+from mpistrat.data.tfrecord import TFRecordOptions, TFRecordWriter, tf_record_iterator
 
 __all__ = [
     "AUTOTUNE",

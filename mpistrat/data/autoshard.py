@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .dataset import Dataset
-from .node import Node
-from .options import AutoShardPolicy
-from .sources import FileSourceNode, ListFilesNode
-from .transformations import ShuffleNode
+from mpistrat.data.dataset import Dataset
+from mpistrat.data.node import Node
+from mpistrat.data.options import AutoShardPolicy
+from mpistrat.data.sources import FileSourceNode, ListFilesNode
+from mpistrat.data.transformations import ShuffleNode
 
 __all__ = ["FILE", "DATA", "OFF", "file_sources", "shard_by_file", "resolve_policy", "with_seeds", "needs_seeds", "logger"]
 

@@ -10,12 +10,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .. import nest
-from .node import Node, normalize_element
-from .options import Options
-from .spec import TensorSpec
-from .sources import GeneratorNode, ListFilesNode, NpyNode, RangeNode, TensorSlicesNode, TextLineNode, TFRecordNode
-from .transformations import (
+from mpistrat import nest
+from mpistrat.data.node import Node, normalize_element
+from mpistrat.data.options import Options
+from mpistrat.data.spec import TensorSpec
+from mpistrat.data.sources import GeneratorNode, ListFilesNode, NpyNode, RangeNode, TensorSlicesNode, TextLineNode, TFRecordNode
+from mpistrat.data.transformations import (
     AUTOTUNE,
     BatchNode,
     CacheNode,

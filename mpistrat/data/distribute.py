@@ -29,17 +29,17 @@ from typing import Any, Callable, Iterator, List, Optional as _Opt
 
 import numpy as np
 
-from .. import nest, timeline
-from ..devices import device_index, is_gpu, to_device
-from ..input_options import InputContext, InputOptions, InputReplicationMode, InputWorkerInfo
-from ..values import PerReplica
-from .autoshard import DATA, needs_seeds, resolve_policy, with_seeds
-from .dataset import Dataset
-from .errors import InputPipelineError, OutOfRangeError, rank_label
-from .optional import Optional
-from .prefetch import BackgroundProducer, ByteBudget
-from .spec import PerReplicaSpec, TensorSpec
-from .splitting import empty_like_template, function_steps, global_steps, local_steps, template_of
+from mpistrat import nest, timeline
+from mpistrat.devices import device_index, is_gpu, to_device
+from mpistrat.distribute.input_options import InputContext, InputOptions, InputReplicationMode, InputWorkerInfo
+from mpistrat.distribute.values import PerReplica
+from mpistrat.data.autoshard import DATA, needs_seeds, resolve_policy, with_seeds
+from mpistrat.data.dataset import Dataset
+from mpistrat.data.errors import InputPipelineError, OutOfRangeError, rank_label
+from mpistrat.data.optional import Optional
+from mpistrat.data.prefetch import BackgroundProducer, ByteBudget
+from mpistrat.data.spec import PerReplicaSpec, TensorSpec
+from mpistrat.data.splitting import empty_like_template, function_steps, global_steps, local_steps, template_of
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator", "Optional"]
 

@@ -1,5 +1,5 @@
 """``mpistrat.data.experimental``: AutoShardPolicy and DistributeOptions, as in ``tf.data.experimental``."""
 
-from .options import AutoShardPolicy, DistributeOptions
+from mpistrat.data.options import AutoShardPolicy, DistributeOptions
 
 __all__ = ["AutoShardPolicy", "DistributeOptions"]

@@ -13,8 +13,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .. import nest
-from .spec import spec_of, to_numpy_leaf
+from mpistrat import nest
+from mpistrat.data.spec import spec_of, to_numpy_leaf
 
 __all__ = ["Node", "normalize_element", "stack_elements", "slice_element", "element_length"]
 

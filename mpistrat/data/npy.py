@@ -13,7 +13,7 @@ from typing import Union
 import numpy as np
 from numpy.lib import format as npformat
 
-from .errors import DataLossError, rank_label
+from mpistrat.data.errors import DataLossError, rank_label
 
 __all__ = ["open_npy", "npy_length"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import OutOfRangeError
+from mpistrat.data.errors import OutOfRangeError
 
 __all__ = ["Optional"]
 

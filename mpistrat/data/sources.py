@@ -12,13 +12,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .. import nest
-from .errors import DataLossError, rank_label
-from .interleave import interleave
-from .node import Node, normalize_element
-from .npy import open_npy
-from .spec import TensorSpec
-from .tfrecord import normalize_compression, tf_record_iterator
+from mpistrat import nest
+from mpistrat.data.errors import DataLossError, rank_label
+from mpistrat.data.interleave import interleave
+from mpistrat.data.node import Node, normalize_element
+from mpistrat.data.npy import open_npy
+from mpistrat.data.spec import TensorSpec
+from mpistrat.data.tfrecord import normalize_compression, tf_record_iterator
 
 __all__ = [
     "RangeNode",

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import nest
+from mpistrat import nest
 
 __all__ = ["TensorSpec", "PerReplicaSpec", "spec_of", "batched_spec", "unbatched_spec", "to_numpy_leaf"]
 

@@ -14,8 +14,8 @@ import struct
 import zlib
 from typing import Iterator, Optional, Union
 
-from .crc32c import crc32c, masked_crc32c
-from .errors import DataLossError, rank_label
+from mpistrat.data.crc32c import crc32c, masked_crc32c
+from mpistrat.data.errors import DataLossError, rank_label
 
 __all__ = ["TFRecordOptions", "TFRecordWriter", "tf_record_iterator", "normalize_compression"]
 

@@ -11,11 +11,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from .. import nest
-from .interleave import interleave
-from .node import Node, normalize_element, stack_elements
-from .prefetch import BackgroundProducer
-from .spec import TensorSpec, batched_spec, unbatched_spec
+from mpistrat import nest
+from mpistrat.data.interleave import interleave
+from mpistrat.data.node import Node, normalize_element, stack_elements
+from mpistrat.data.prefetch import BackgroundProducer
+from mpistrat.data.spec import TensorSpec, batched_spec, unbatched_spec
 
 __all__ = [
     "AUTOTUNE",

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mpistrat import devices as dev
-from mpistrat.variables import Variable
+from mpistrat.distribute.variables import Variable
 
 __all__ = ["MLP", "softmax_cross_entropy_sum"]
 

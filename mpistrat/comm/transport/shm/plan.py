@@ -1,0 +1,66 @@
+"""The views one window reduce-scatter touches, computed once per bucket, dtype and count.
+
+:class:`~mpistrat.comm.transport.shm.allreduce.ShmAllreduceBackend` sums slice ``i``
+of a bucket on node rank ``i`` (an owner) and pushes the sum into every other
+node rank's segment (on one node block by block, across nodes after the
+cross-node reduction), so every rank reads the whole result from its own
+segment. A :class:`ReducePlan` holds those views, so a call only loops over
+them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ReducePlan", "make_plan"]
+
+
+class ReducePlan:
+    """Precomputed views of one reduce: the pieces returned, the reduction blocks
+    ``(sources, destination, copy-back or None, push targets, start, end)``, the cross-node
+    slice and where it is pushed once reduced across nodes."""
+
+    __slots__ = ("pieces", "blocks", "cross", "cross_targets")
+
+    def __init__(self, pieces: list, blocks: list, cross: np.ndarray | None, cross_targets: tuple) -> None:
+        self.pieces = pieces
+        self.blocks = blocks
+        self.cross = cross
+        self.cross_targets = cross_targets
+
+
+def make_plan(
+    views: list[np.ndarray], bounds: list[int], local_rank: int, owners: int, one_node: bool, step: int,
+    tmp: np.ndarray | None,
+) -> ReducePlan:
+    """The plan of node rank ``local_rank`` for a bucket whose segments are ``views`` (one per node
+    rank), cut at ``bounds`` among the ``owners``; blocks of ``step`` items when more than two ranks
+    share the node, summed into ``tmp`` (then copied back) when given."""
+    lr, n = local_rank, len(views)
+    count = bounds[-1]
+    blocks: list[tuple] = []
+    cross = None
+    cross_targets: tuple = ()
+    others = [v for r, v in enumerate(views) if r != lr]  # every other node rank, owner or not
+
+    def push(s: int, e: int) -> tuple:
+        return tuple(v[s:e] for v in others) if one_node else ()
+
+    if lr < owners and bounds[lr + 1] > bounds[lr]:
+        lo, hi = bounds[lr], bounds[lr + 1]
+        own = views[lr]
+        if n == 2:  # one pass: nothing is read twice
+            blocks.append(((views[0][lo:hi], views[1][lo:hi]), own[lo:hi], None, push(lo, hi), lo, hi))
+        elif n > 2:  # cache-sized blocks, summed in local-rank order
+            step = max(1, step)
+            for s in range(lo, hi, step):
+                e = min(s + step, hi)
+                srcs = tuple(v[s:e] for v in views)
+                if tmp is None:
+                    blocks.append((srcs, own[s:e], None, push(s, e), s, e))
+                else:
+                    blocks.append((srcs, tmp[: e - s], own[s:e], push(s, e), s, e))
+        if not one_node:
+            cross = own[lo:hi]
+            cross_targets = tuple(v[lo:hi] for v in others)
+    return ReducePlan([(0, views[lr][:count])], blocks, cross, cross_targets)

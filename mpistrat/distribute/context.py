@@ -1,0 +1,149 @@
+"""The distribution context: which strategy is current, and in which mode.
+
+Each thread has a stack of frames. A frame names the current strategy and
+either a replica context (inside ``strategy.run``, or the default replica
+context when no strategy is in scope) or the cross-replica mode (inside
+``strategy.scope()`` or a ``merge_call``'s merge function). This module knows
+strategies only by duck typing, so it sits below ``distribute_lib``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+__all__ = [
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "get_replica_context",
+    "get_cross_replica_context",
+    "experimental_set_strategy",
+    "local_replica_id_of",
+]
+
+
+class Frame(NamedTuple):
+    """One entry of the context stack (immutable; a tuple, cheap to make once per step)."""
+
+    strategy: Any
+    replica_context: Any  # a ReplicaContext, or None in cross-replica mode
+    update_replica: int | None = None  # local copy being updated by extended.update
+
+    @property
+    def cross_replica(self) -> bool:
+        return self.replica_context is None
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Frame] = []
+
+
+_state = _State()
+_default_frame: Frame | None = None
+_global_frame: Frame | None = None  # set by experimental_set_strategy, seen by every thread
+_lock = threading.Lock()
+
+
+def _default() -> Frame:
+    global _default_frame
+    if _default_frame is None:
+        with _lock:
+            if _default_frame is None:
+                from mpistrat.distribute.strategy import _default_strategy_and_replica_context  # noqa: PLC0415
+
+                strategy, replica_ctx = _default_strategy_and_replica_context()
+                _default_frame = Frame(strategy, replica_ctx)
+    return _default_frame
+
+
+def current_frame() -> Frame:
+    """The innermost frame of this thread (the default one when empty)."""
+    stack = _state.stack
+    if stack:
+        return stack[-1]
+    if _global_frame is not None:
+        return _global_frame
+    return _default()
+
+
+def push(frame: Frame) -> None:
+    """Enter a frame on this thread."""
+    _state.stack.append(frame)
+
+
+def pop(frame: Frame) -> None:
+    """Leave a frame entered with :func:`push` (must be the innermost)."""
+    stack = _state.stack
+    if not stack or stack[-1] is not frame:
+        raise RuntimeError("Distribution context stack corrupted: scopes exited out of order")
+    stack.pop()
+
+
+def thread_stack() -> list[Frame]:
+    """This thread's stack (replica threads install their own)."""
+    return _state.stack
+
+
+def set_thread_stack(stack: list[Frame]) -> None:
+    """Replace this thread's stack (used by replica threads)."""
+    _state.stack = stack
+
+
+def default_strategy() -> Any:
+    """The default (no-op, one replica) strategy."""
+    return _default().strategy
+
+
+def get_strategy() -> Any:
+    """The current strategy: the one in scope, else the default strategy."""
+    return current_frame().strategy
+
+
+def has_strategy() -> bool:
+    """Whether a non-default strategy is current."""
+    return get_strategy() is not default_strategy()
+
+
+def in_cross_replica_context() -> bool:
+    """True inside ``strategy.scope()`` (and merge functions), False in ``run`` or with no strategy."""
+    return current_frame().cross_replica
+
+
+def get_replica_context() -> Any:
+    """The current ReplicaContext: the default one with no strategy, None in cross-replica context."""
+    return current_frame().replica_context
+
+
+def get_cross_replica_context() -> Any:
+    """The current strategy in cross-replica context, else None."""
+    frame = current_frame()
+    return frame.strategy if frame.cross_replica else None
+
+
+def local_replica_id_of(strategy: Any) -> int | None:
+    """The local copy of ``strategy``'s distributed variables that reads and writes use here.
+
+    Inside ``strategy.run`` it is the running replica's local index, inside
+    ``strategy.extended.update`` the copy being updated; anywhere else
+    (cross-replica context, no strategy in scope, another strategy's replica)
+    None, meaning "the variable as a whole".
+    """
+    frame = current_frame()
+    if frame.strategy is not strategy:
+        return None
+    if frame.update_replica is not None:
+        return frame.update_replica
+    ctx = frame.replica_context
+    return None if ctx is None else ctx._local_replica_id
+
+
+def experimental_set_strategy(strategy: Any) -> None:
+    """Make ``strategy`` current for every thread, as if its scope were entered globally; None resets."""
+    global _global_frame
+    _global_frame = None
+    if _state.stack and has_strategy():
+        raise RuntimeError("Must not be called inside a `tf.distribute.Strategy` scope.")
+    if strategy is not None:
+        _global_frame = Frame(strategy, None)

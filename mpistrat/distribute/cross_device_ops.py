@@ -1,0 +1,351 @@
+"""Cross-device reduction: combine per-replica values and place the result.
+
+A reduction is hierarchical: the rank's local replicas are reduced onto one
+device by the local backend (``ReductionToOneDevice`` or ``NcclAllReduce``),
+the result goes through one fused cross-rank all-reduce when the strategy
+spans several MPI ranks (``RankCommunicator``), and is then broadcast back to
+the destination devices. All backends share this one code path and differ
+only in their two local primitives, ``_local_reduce`` and
+``_local_broadcast``.
+
+With ``MPISTRAT_CHECK_NUMERICS=1`` (or ``check_numerics = True`` on the ops
+object) every reduction first checks its inputs for NaN/Inf and raises on
+every rank, naming the replicas that sent them (one small extra collective).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from mpistrat import devices as dev
+from mpistrat.distribute.values import DistributedValues, Mirrored, ReduceOp
+
+__all__ = ["CrossDeviceOps", "ReductionToOneDevice", "HierarchicalCopyAllReduce", "NcclAllReduce",
+           "select_cross_device_ops"]
+
+CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
+_NDARRAY_ONLY = {np.ndarray}
+_COMM_OPS = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+
+
+def _as_array(value: Any, device: str | None = None) -> Any:
+    if type(value) is np.ndarray and device is None:
+        return value
+    if device is not None:
+        return dev.to_device(value, device)
+    if hasattr(value, "__array_namespace__") or hasattr(value, "__cuda_array_interface__"):
+        return value
+    return np.asarray(value)
+
+
+def _divide(array: Any, n: int) -> Any:
+    """MEAN's division, as TF: floats keep their dtype, integers give a true (float64) quotient."""
+    if n == 1:
+        return array
+    divisor = array.dtype.type(n) if array.dtype.kind in "fc" else n
+    if dev.is_gpu(dev.device_of(array)):
+        with dev.device_scope(dev.device_of(array)):
+            return array / divisor
+    return array / divisor
+
+
+def _shared_copy(value: Any, device: str) -> Any:
+    """``value`` on ``device`` for one of several replicas.
+
+    Logical CPU devices share host memory, so each gets a read-only view of
+    one buffer (no copy; an in-place write raises instead of leaking into the
+    other replicas). Other devices get their own copy.
+    """
+    if not dev.is_gpu(device) and isinstance(value, np.ndarray):
+        view = value.view()
+        view.flags.writeable = False
+        return view
+    return dev.to_device(value, device, copy=True)
+
+
+def destination_devices(destinations: Any) -> list[str]:
+    """Canonical device strings named by ``destinations``.
+
+    Accepts a device string, a list of them, or a distributed value/variable
+    (its devices).
+    """
+    if destinations is None:
+        raise ValueError("destinations must be a device string, a list of them, or a distributed value")
+    if isinstance(destinations, str):
+        return [dev.canonicalize(destinations)]
+    if isinstance(destinations, DistributedValues):
+        return [dev.canonicalize(d) for d in destinations._devices()]
+    if hasattr(destinations, "device") and isinstance(getattr(destinations, "device"), str):
+        return [dev.canonicalize(destinations.device)]
+    if isinstance(destinations, (list, tuple)):
+        if not destinations:
+            raise ValueError("destinations must not be empty")
+        return [dev.canonicalize(d) for d in destinations]
+    raise ValueError(f"Invalid destinations {destinations!r}: expected a device string, a list, or a distributed value")
+
+
+class CrossDeviceOps:
+    """Base class of cross-device reduction and broadcast (tf.distribute.CrossDeviceOps)."""
+
+    def __init__(self) -> None:
+        self._communicator = None
+        self._bound = False
+        self.check_numerics = os.environ.get(CHECK_NUMERICS_ENV, "") not in ("", "0")
+
+    # -- wiring done by the strategy ------------------------------------------------
+    def _bind(self, communicator: Any) -> None:
+        """Attach the cross-rank communicator (None within one process).
+
+        Several single-process strategies may share one object; one bound to
+        a communicator belongs to that strategy alone.
+        """
+        if self._bound and communicator is not self._communicator:
+            raise ValueError(f"This {type(self).__name__} already serves a strategy over other MPI ranks; "
+                             "give each strategy its own CrossDeviceOps.")
+        self._communicator = communicator
+        self._bound = True
+
+    def _global_count(self, num_local: int) -> int:
+        """Replicas taking part in a reduction: the local ones on every rank."""
+        comm = self._communicator
+        return num_local * (comm.size if comm is not None else 1)
+
+    # -- local primitives, overridden by backends -----------------------------------
+    def _local_reduce(self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str]) -> Any:
+        raise NotImplementedError
+
+    def _local_broadcast(self, value: Any, devices: Sequence[str]) -> list:
+        return [_shared_copy(value, d) for d in devices]
+
+    # -- the shared hierarchical path ----------------------------------------------
+    def batch_all_reduce(
+        self,
+        reduce_op: "ReduceOp | str",
+        per_replica_leaves: Sequence[Sequence[Any]],
+        devices: Sequence[str],
+        options: Any = None,
+    ) -> list[list]:
+        """All-reduce lists of arrays, one list per local replica; results per replica.
+
+        ``per_replica_leaves[i][j]`` is leaf j of local replica i; the result
+        has the same layout, every replica's leaf j holding the reduction over
+        all replicas of all ranks, on that replica's device.
+        """
+        num_local = len(per_replica_leaves)
+        num_leaves = len(per_replica_leaves[0]) if num_local else 0
+        if num_leaves == 0:
+            return [[] for _ in range(num_local)]
+        reduced = self._reduce_to_one(reduce_op, per_replica_leaves, devices, options)
+        if num_local == 1:
+            return [list(reduced)]
+        columns = [self._local_broadcast(r, devices) for r in reduced]
+        return [[columns[j][i] for j in range(num_leaves)] for i in range(num_local)]
+
+    def reduce(self, reduce_op: "ReduceOp | str", per_replica_value: Any, destinations: Any, options: Any = None) -> Any:
+        """Reduce a PerReplica/Mirrored value to ``destinations``."""
+        return self.batch_reduce(reduce_op, [(per_replica_value, destinations)], options)[0]
+
+    def batch_reduce(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple], options: Any = None) -> list:
+        """Reduce several values at once (one fused cross-rank call)."""
+        return self._batch_reduce(reduce_op, value_destination_pairs, options)
+
+    def _batch_reduce(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple], options: Any = None,
+                      replica_devices: Sequence[str] | None = None) -> list:
+        """``batch_reduce`` with the replicas' devices when the caller knows them (a strategy does).
+
+        Without them, each replica's device is taken from its first value
+        (NumPy values say CPU even on GPU replicas).
+        """
+        if not value_destination_pairs:
+            return []
+        values = [v for v, _ in value_destination_pairs]
+        local = [v.values if isinstance(v, DistributedValues) else (v,) for v in values]
+        num_local = len(local[0])
+        if any(len(x) != num_local for x in local):
+            raise ValueError("All values in batch_reduce must have the same number of local replicas")
+        source_devices = (list(replica_devices) if replica_devices is not None and len(replica_devices) == num_local
+                          else [dev.device_of(x) for x in local[0]])
+        # Reduce everything onto the first replica's device, then place on the destinations.
+        per_replica = [[local[k][i] for k in range(len(values))] for i in range(num_local)]
+        reduced = self._reduce_to_one(reduce_op, per_replica, source_devices, options)
+        return [self._place(r, destination_devices(d)) for r, (_, d) in zip(reduced, value_destination_pairs)]
+
+    def _check_finite(self, per_replica: list[list]) -> None:
+        """Raise on every rank, naming the replicas, when any input holds NaN or Inf."""
+        comm = self._communicator
+        rank = comm.rank if comm is not None else 0
+        bad = []
+        for i, leaves in enumerate(per_replica):
+            for j, leaf in enumerate(leaves):
+                arr = _as_array(leaf)
+                if arr.dtype.kind in "fc" and not bool(dev.array_module(dev.device_of(arr)).isfinite(arr).all()):
+                    bad.append((rank * len(per_replica) + i, rank, j, tuple(arr.shape)))
+        if comm is not None and comm.size > 1:
+            bad = [b for rank_bad in comm.allgather_object(bad) for b in rank_bad]
+        if bad:
+            detail = "; ".join(f"replica {g} (rank {r}) value #{j} of shape {shape}" for g, r, j, shape in bad)
+            raise FloatingPointError(f"NaN or Inf in all-reduce input ({CHECK_NUMERICS_ENV} is on): {detail}")
+
+    def _reduce_to_one(self, reduce_op: Any, per_replica: list[list], devices: Sequence[str], options: Any) -> list:
+        op = ReduceOp.from_string(reduce_op)
+        num_local = len(per_replica)
+        if self.check_numerics:
+            self._check_finite(per_replica)
+        if num_local == 1:
+            leaves = per_replica[0]
+            # The caller's list itself when it holds only arrays (nothing here writes to it).
+            reduced = leaves if set(map(type, leaves)) == _NDARRAY_ONLY else [_as_array(v) for v in leaves]
+            owned = False
+        else:
+            reduced = [self._local_reduce(op, [per_replica[i][j] for i in range(num_local)], devices) for j in range(len(per_replica[0]))]
+            owned = True
+        comm = self._communicator
+        if comm is not None and comm.size > 1:
+            reduced = comm.allreduce(reduced, _COMM_OPS[op], options, inplace=owned)
+        if op is ReduceOp.MEAN:
+            n = self._global_count(num_local)
+            reduced = [_divide(r, n) for r in reduced]
+        return reduced
+
+    def _place(self, value: Any, devices: list[str]) -> Any:
+        if len(devices) == 1:
+            return dev.to_device(value, devices[0])
+        return Mirrored([_shared_copy(value, d) for d in devices])
+
+    def broadcast(self, tensor: Any, destinations: Any) -> Any:
+        """Copy ``tensor`` to every destination device (a Mirrored when several)."""
+        return self._place(tensor, destination_devices(destinations))
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Reduce by copying every replica's value to one device and accumulating there."""
+
+    def __init__(self, reduce_to_device: str | None = None, accumulation_fn: Callable | None = None):
+        super().__init__()
+        self.reduce_to_device = None if reduce_to_device is None else dev.canonicalize(reduce_to_device)
+        self.accumulation_fn = accumulation_fn
+
+    def _local_reduce(self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str]) -> Any:
+        target = self.reduce_to_device or devices[0]
+        arrays = [dev.to_device(v, target) for v in values]
+        xp = dev.array_module(target)
+        if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
+            return xp.asarray(self.accumulation_fn(arrays))
+        ufunc = {ReduceOp.SUM: xp.add, ReduceOp.MEAN: xp.add, ReduceOp.MIN: xp.minimum, ReduceOp.MAX: xp.maximum}[op]
+        with dev.device_scope(target):
+            acc = xp.array(arrays[0], copy=True)
+            for a in arrays[1:]:
+                if a.shape != acc.shape:
+                    raise ValueError(f"Replicas hold values of different shapes: {acc.shape} vs {a.shape}")
+                ufunc(acc, a, out=acc)
+        return acc
+
+
+class HierarchicalCopyAllReduce(ReductionToOneDevice):
+    """tf.distribute's hierarchical copy all-reduce, for code that names it.
+
+    TF reduces over a DGX-1-like GPU topology in packs; here a rank's local
+    replicas are reduced onto the first replica's device (as
+    ``ReductionToOneDevice``), and the cross-rank stage is the same MPI (or
+    shared-memory) all-reduce every backend uses. ``num_packs`` is accepted
+    and checked as TF does.
+    """
+
+    def __init__(self, num_packs: int = 1):
+        if num_packs < 0:
+            raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
+        super().__init__()
+        self.num_packs = num_packs
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """Reduce across the rank's GPUs with NCCL (``cupy.cuda.nccl``)."""
+
+    _NCCL_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.MEAN: "NCCL_SUM", ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX"}
+    _NCCL_TYPES = {
+        "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+        "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint8": "NCCL_UINT8", "int8": "NCCL_INT8",
+    }
+
+    def __init__(self, num_packs: int = 1):
+        super().__init__()
+        if num_packs < 0:
+            raise ValueError(f"NCCL all-reduce requires num_packs >= 0, but {num_packs} is specified")
+        self.num_packs = num_packs
+        self._comms: dict[tuple[int, ...], Any] = {}
+
+    def _nccl_comms(self, device_ids: tuple[int, ...]) -> Any:
+        if device_ids not in self._comms:
+            from cupy.cuda import nccl  # noqa: PLC0415
+
+            self._comms[device_ids] = nccl.NcclCommunicator.initAll(list(device_ids))
+        return self._comms[device_ids]
+
+    def _ids(self, devices: Sequence[str]) -> tuple[int, ...]:
+        if not all(dev.is_gpu(d) for d in devices):
+            raise ValueError(f"NcclAllReduce needs every device to be a GPU, got {list(devices)}")
+        return tuple(dev.device_index(d) for d in devices)
+
+    def _local_reduce(self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str]) -> Any:
+        import cupy  # noqa: PLC0415
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        ids = self._ids(devices)
+        comms = self._nccl_comms(ids)
+        arrays = []
+        for v, d, i in zip(values, devices, ids):
+            with cupy.cuda.Device(i):  # NCCL reads C-ordered bytes
+                arrays.append(cupy.ascontiguousarray(dev.to_device(v, d)))
+        dtype = self._NCCL_TYPES.get(arrays[0].dtype.name)
+        if dtype is None:
+            return ReductionToOneDevice()._local_reduce(op, values, devices)
+        with cupy.cuda.Device(ids[0]):
+            out = cupy.empty(arrays[0].shape, arrays[0].dtype)  # C order, whatever the input's layout
+        nccl.groupStart()
+        for i, (comm, a) in enumerate(zip(comms, arrays)):
+            with cupy.cuda.Device(ids[i]):
+                recv = out.data.ptr if i == 0 else a.data.ptr
+                comm.reduce(a.data.ptr, recv, a.size, getattr(nccl, dtype), getattr(nccl, self._NCCL_OPS[op]), 0,
+                            cupy.cuda.get_current_stream().ptr)
+        nccl.groupEnd()
+        for i in ids:
+            cupy.cuda.Device(i).synchronize()
+        return out
+
+    def _local_broadcast(self, value: Any, devices: Sequence[str]) -> list:
+        import cupy  # noqa: PLC0415
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        ids = self._ids(devices)
+        dtype = self._NCCL_TYPES.get(value.dtype.name)
+        if dtype is None:
+            return super()._local_broadcast(value, devices)
+        comms = self._nccl_comms(ids)
+        with cupy.cuda.Device(ids[0]):
+            outs = [cupy.ascontiguousarray(dev.to_device(value, devices[0]))]
+        for i in ids[1:]:
+            with cupy.cuda.Device(i):
+                outs.append(cupy.empty(value.shape, value.dtype))
+        nccl.groupStart()
+        for i, (comm, o) in enumerate(zip(comms, outs)):
+            with cupy.cuda.Device(ids[i]):
+                comm.broadcast(o.data.ptr, o.data.ptr, o.size, getattr(nccl, dtype), 0, cupy.cuda.get_current_stream().ptr)
+        nccl.groupEnd()
+        for i in ids:
+            cupy.cuda.Device(i).synchronize()
+        return outs
+
+
+def select_cross_device_ops(devices: Sequence[str]) -> CrossDeviceOps:
+    """NCCL when every device is a GPU (and there are several), else ReductionToOneDevice."""
+    if len(devices) > 1 and all(dev.is_gpu(d) for d in devices):
+        try:
+            from cupy.cuda import nccl  # noqa: PLC0415
+        except Exception:
+            nccl = None
+        if getattr(nccl, "available", False):  # the module imports with any CuPy; NCCL may still be absent
+            return NcclAllReduce()
+    return ReductionToOneDevice()

@@ -1,0 +1,175 @@
+"""``ReplicaContext``: what a replica function sees inside ``Strategy.run``.
+
+Cross-replica calls (``all_reduce``, ``all_gather``, ``merge_call``) meet the
+step's other local replicas at the step's ``Rendezvous``; replica 0 runs the
+shared work (the cross-device ops, hence the ranks) for all of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from mpistrat import nest
+from mpistrat.distribute import context
+from mpistrat import devices as dev
+from mpistrat.distribute.context import Frame
+from mpistrat.distribute.regroup import regroup, select_replica
+from mpistrat.distribute.replica_group import Rendezvous
+from mpistrat.distribute.values import DistributedValues, ReduceOp
+
+if TYPE_CHECKING:
+    from mpistrat.distribute.strategy import Strategy
+
+__all__ = ["ReplicaContext"]
+
+
+class ReplicaContext:
+    """The context of one replica inside ``Strategy.run``."""
+
+    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, local_replica_id: int = 0,
+                 rendezvous: Rendezvous | None = None):
+        self._strategy = strategy
+        self._replica_id_in_sync_group = replica_id_in_sync_group
+        self._local_replica_id = local_replica_id
+        self._rendezvous = rendezvous if rendezvous is not None else Rendezvous(1)
+
+    @property
+    def strategy(self) -> "Strategy":
+        """The strategy this replica belongs to."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas in sync across all workers."""
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's global id, in ``[0, num_replicas_in_sync)``."""
+        return self._replica_id_in_sync_group
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The device(s) this replica runs on."""
+        return (self._strategy.extended._local_devices[self._local_replica_id],)
+
+    def _meet(self, kind: str, payload: Any, fn: Callable[[list], Sequence[Any]]) -> Any:
+        return self._rendezvous.meet(self._local_replica_id, kind, payload, fn)
+
+    def _require_current(self) -> None:
+        """Raise unless this context is the current one (TF's ``require_replica_context``)."""
+        frame = context.current_frame()
+        if frame.replica_context is self:
+            return
+        if frame.replica_context is None:
+            raise RuntimeError("Need to be inside `call_for_each_replica()`: this ReplicaContext was used in "
+                               "cross-replica context (e.g. captured and called from a merge_call's merge_fn).")
+        if frame.strategy is self._strategy:
+            raise RuntimeError("Mismatching ReplicaContext: a ReplicaContext was used outside the replica it "
+                               "belongs to; call mpistrat.get_replica_context() in the replica function instead.")
+        raise RuntimeError(f"Mismatching tf.distribute.Strategy objects: {frame.strategy} is not {self._strategy}.")
+
+    def merge_call(self, merge_fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
+        """Pause all replicas, run ``merge_fn(strategy, *args)`` once in cross-replica context.
+
+        Arguments are regrouped (``PerReplica`` where replicas passed different
+        values); each replica gets its own component of the result.
+        """
+        self._require_current()
+        kwargs = kwargs or {}
+        strategy = self._strategy
+
+        def run_merge(payloads: list) -> list:
+            # As tf.distribute: replica 0's merge_fn runs, with every replica's arguments regrouped.
+            grouped_args, grouped_kwargs = regroup([(p[1], p[2]) for p in payloads],
+                                                   what="passed merge_call arguments")
+            frame = Frame(strategy, None)
+            context.push(frame)
+            try:
+                result = payloads[0][0](strategy, *grouped_args, **grouped_kwargs)
+            finally:
+                context.pop(frame)
+            return [select_replica(i, result) for i in range(len(payloads))]
+
+        return self._meet("merge_call", (merge_fn, tuple(args), dict(kwargs)), run_merge)
+
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
+        """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""
+        self._require_current()
+        op = ReduceOp.from_string(reduce_op)
+        ext = self._strategy.extended
+        if type(value) is np.ndarray and self._rendezvous.n == 1:  # the hot case: nothing to walk or rebuild
+            return ext._cross_device_ops.batch_all_reduce(op, [[value]], ext._local_devices, options)[0][0]
+        flat = _replica_leaves("all_reduce", value)
+        if self._rendezvous.n == 1:  # a lone replica: nobody to meet or to agree with, its leaves are the batch
+            reduced = ext._cross_device_ops.batch_all_reduce(op, [flat], ext._local_devices, options)[0]
+            if flat is value:  # a flat list of plain leaves (see _replica_leaves): no structure to rebuild
+                return reduced
+        else:
+
+            def run_reduce(payloads: list) -> list:
+                _check_agree("all_reduce", "reduce ops", [p[0].name for p in payloads])
+                leaves = [p[1] for p in payloads]
+                _check_same_leaves("all_reduce", leaves)
+                return ext._cross_device_ops.batch_all_reduce(op, leaves, ext._local_devices, options)
+
+            reduced = self._meet("all_reduce", (op, flat), run_reduce)
+        return nest.pack_sequence_as(value, reduced)
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        """Concatenate every replica's ``value`` along ``axis``, in global replica order."""
+        self._require_current()
+        ext = self._strategy.extended
+        flat = _replica_leaves("all_gather", value)
+
+        def run_gather(payloads: list) -> list:
+            _check_agree("all_gather", "axes", [p[0] for p in payloads])
+            leaves = [p[1] for p in payloads]
+            _check_same_leaves("all_gather", leaves)
+            gathered = [ext._gather_leaf([p[j] for p in leaves], axis, options) for j in range(len(leaves[0]))]
+            return [[dev.to_device(g, d, copy=i > 0) for g in gathered] for i, d in enumerate(ext._local_devices)]
+
+        return nest.pack_sequence_as(value, self._meet("all_gather", (axis, flat), run_gather))
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, strategy={self._strategy!r})"
+
+
+_PLAIN_LEAVES = frozenset((np.ndarray, float, int, bool, np.float32, np.float64, np.int32, np.int64))
+
+
+def _replica_leaves(kind: str, value: Any) -> list:
+    """The leaves of a replica's ``value``; variables read as this replica's copy (one walk, no copies).
+
+    A plain list of arrays and numbers (the common case) is returned as it is, not copied."""
+    if type(value) is list and set(map(type, value)) <= _PLAIN_LEAVES:  # one scan: flat and nothing to read
+        return value
+    flat = nest.flatten(value)
+    if set(map(type, flat)) <= _PLAIN_LEAVES:  # arrays and numbers: nothing to read
+        return flat
+    for j, leaf in enumerate(flat):
+        if isinstance(leaf, DistributedValues):
+            if not getattr(leaf, "_is_variable", False):
+                raise ValueError(f"{kind} in replica context takes this replica's values; got a "
+                                 f"{type(leaf).__name__}, a DistributedValues (pass it through strategy.run to "
+                                 "unwrap it per replica).")
+            flat[j] = leaf.value()
+        elif getattr(leaf, "_is_variable", False):
+            flat[j] = leaf.value()
+    return flat
+
+
+def _check_same_leaves(kind: str, payloads: list) -> None:
+    counts = [len(p) for p in payloads]
+    if len(set(counts)) != 1:
+        raise ValueError(f"Replicas passed structures with different numbers of values to {kind}: {counts}")
+
+
+def _check_agree(kind: str, what: str, per_replica: list) -> None:
+    """Raise naming every replica's choice when the local replicas passed different ``what`` to ``kind``."""
+    if any(v != per_replica[0] for v in per_replica[1:]):
+        detail = ", ".join(f"replica {i}: {v!r}" for i, v in enumerate(per_replica))
+        raise ValueError(f"Replicas called {kind} with different {what} ({detail}); every replica must pass "
+                         "the same one.")

@@ -1,0 +1,530 @@
+"""Variables: plain, mirrored (ON_WRITE) and sync-on-read (ON_READ).
+
+``Variable(...)`` creates a plain variable on the current strategy's device,
+or, under the scope of a strategy with distributed variables (Mirrored,
+MultiWorkerMirrored), a ``MirroredVariable`` or ``SyncOnReadVariable`` with
+one copy per local replica device. Assignment follows tf.distribute: inside
+``strategy.run`` a mirrored variable aggregates the replicas' updates (its
+``aggregation``) and applies the same update to every copy; a sync-on-read
+variable updates only the replica's own copy and aggregates when read in
+cross-replica context. A distributed variable used with no strategy in scope
+behaves as in its strategy's cross-replica context (TF enters the strategy).
+
+Assignments replace a copy's array rather than writing into it, so an array
+returned by ``value()`` is a snapshot that later updates do not change. NumPy
+values are read-only (as a ``tf.Tensor`` is immutable): write into
+``numpy()``, which is a copy. Updates of one variable from several replica
+threads are atomic.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import enum
+import itertools
+import operator
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from mpistrat.distribute import context
+from mpistrat import devices as dev
+from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+
+_NO_SCOPE = contextlib.nullcontext()  # the CPU device scope (stateless, shared)
+
+__all__ = [
+    "VariableSynchronization",
+    "VariableAggregation",
+    "Variable",
+    "DistributedVariable",
+    "MirroredVariable",
+    "SyncOnReadVariable",
+]
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable's copies are synchronised."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How replicas' updates (or copies, for ON_READ) are combined."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+_names = itertools.count()
+
+
+def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable:
+    if reflected:
+        return lambda self, other: op(_operand(other), self.value())
+    return lambda self, other: op(self.value(), _operand(other))
+
+
+def _operand(x: Any) -> Any:
+    return x.value() if getattr(x, "_is_variable", False) else x
+
+
+class _Operators:
+    """Arithmetic and comparison through the variable's current value (binary operators set below)."""
+
+    def __neg__(self) -> Any:
+        return -self.value()
+
+    def __abs__(self) -> Any:
+        return abs(self.value())
+
+    def __invert__(self) -> Any:
+        return ~self.value()
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value()[index]
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+    def __int__(self) -> int:
+        return int(self.value())
+
+    __hash__ = object.__hash__
+
+
+_REFLECTED_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor", "matmul")
+_COMPARISONS = ("lt", "le", "gt", "ge")
+
+for _name in _REFLECTED_OPERATORS + _COMPARISONS:
+    _dunder = _name.rstrip("_")
+    setattr(_Operators, f"__{_dunder}__", _binary(getattr(operator, _name)))
+    if _name in _REFLECTED_OPERATORS:
+        setattr(_Operators, f"__r{_dunder}__", _binary(getattr(operator, _name), reflected=True))
+del _name, _dunder
+
+
+class BaseVariable(_Operators):
+    """What every variable offers: reading, assigning, NumPy conversion.
+
+    Arithmetic, comparison and bitwise operators apply to the current value.
+    ``==`` and ``!=`` compare identity, so variables stay hashable (TF 2 makes
+    them elementwise and variables unhashable): compare ``v.numpy()`` instead.
+    """
+
+    _is_variable = True
+    __array_priority__ = 100
+
+    # subclasses provide: value(), _assign(method, value), name, dtype, shape, device
+    def read_value(self) -> Any:
+        """The current value (an array on the variable's device)."""
+        return self.value()
+
+    def numpy(self) -> np.ndarray:
+        """The current value as a new NumPy array on the host (writing into it leaves the variable alone)."""
+        value = self.value()
+        host = dev.to_device(value, "/cpu:0")
+        return np.array(host, copy=True) if host is value or isinstance(value, np.ndarray) else np.asarray(host)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.numpy()
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
+        """Set the variable to ``value``."""
+        return self._assign("assign", value, read_value)
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
+        """Add ``delta`` to the variable."""
+        return self._assign("assign_add", delta, read_value)
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
+        """Subtract ``delta`` from the variable."""
+        return self._assign("assign_sub", delta, read_value)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def get_shape(self) -> tuple:
+        return self.shape
+
+    def __repr__(self) -> str:
+        try:
+            shown = np.array2string(self.numpy(), separator=", ")
+        except Exception as exc:  # a cross-replica read may need all replicas
+            shown = f"<unavailable: {exc}>"
+        return (f"<{type(self).__module__.split('.')[0]}.{type(self).__name__} '{self.name}' shape={self.shape} "
+                f"dtype={self.dtype.name}, numpy={shown}>")
+
+
+def _default_dtype(initial: Any, dtype: Any) -> np.dtype | None:
+    if dtype is not None:
+        return np.dtype(getattr(dtype, "name", dtype)) if not isinstance(dtype, np.dtype) else dtype
+    if hasattr(initial, "dtype"):
+        return None
+    probe = np.asarray(initial)
+    if probe.dtype == np.float64:
+        return np.dtype(np.float32)  # Python floats become float32, as in TensorFlow
+    if probe.dtype == np.int64 and not isinstance(initial, np.integer):
+        return np.dtype(np.int32)
+    return None
+
+
+def _frozen(array: Any) -> Any:
+    """``array`` made read-only when it is a NumPy array the variable owns (CuPy has no such flag)."""
+    if isinstance(array, np.ndarray):
+        array.flags.writeable = False
+    return array
+
+
+def _initial_array(initial_value: Any, dtype: Any, device: str) -> Any:
+    if initial_value is None:
+        raise ValueError("initial_value must be specified.")
+    if callable(initial_value):
+        with dev.device_scope(device):
+            initial_value = initial_value()
+    target = _default_dtype(initial_value, dtype)
+    xp = dev.array_module(device)
+    with dev.device_scope(device):
+        arr = dev.to_device(initial_value, device, copy=True)
+        return arr if target is None or arr.dtype == target else xp.asarray(arr, dtype=target)
+
+
+class _VariableMeta(abc.ABCMeta):
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is Variable and "_array" not in kwargs:
+            strategy = context.get_strategy()
+            if strategy.extended._distributed_variables:
+                if not context.in_cross_replica_context():
+                    raise RuntimeError(
+                        f"Variables of {type(strategy).__name__} must be created in cross-replica context "
+                        "(under strategy.scope()), not inside strategy.run.")
+                return strategy.extended._create_variable(_bind_variable_args(*args, **kwargs))
+        return super().__call__(*args, **kwargs)
+
+
+def _bind_variable_args(initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
+                        dtype: Any = None, synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+                        aggregation: VariableAggregation = VariableAggregation.NONE, shape: Any = None,
+                        **unknown: Any) -> dict:
+    if unknown:
+        raise TypeError(f"Variable got unexpected keyword argument(s): {sorted(unknown)}")
+    return dict(initial_value=initial_value, trainable=trainable, name=name, dtype=dtype,
+                synchronization=synchronization, aggregation=aggregation, shape=shape)
+
+
+def _validate(kwargs: dict) -> tuple[VariableSynchronization, VariableAggregation, bool]:
+    sync, agg, trainable = kwargs["synchronization"], kwargs["aggregation"], kwargs["trainable"]
+    if not isinstance(sync, VariableSynchronization):
+        raise ValueError(f"Invalid variable synchronization mode: {sync} for variable: {kwargs['name']}")
+    if not isinstance(agg, VariableAggregation):
+        raise ValueError(f"Invalid variable aggregation mode: {agg} for variable: {kwargs['name']}")
+    if trainable is None:
+        trainable = sync is not VariableSynchronization.ON_READ
+    elif trainable and sync is VariableSynchronization.ON_READ:
+        raise ValueError("Synchronization value can be set to VariableSynchronization.ON_READ only for "
+                         "non-trainable variables. You have specified trainable=True and "
+                         "synchronization=VariableSynchronization.ON_READ.")
+    return sync, agg, bool(trainable)
+
+
+class Variable(BaseVariable, metaclass=_VariableMeta):
+    """A mutable array on one device (``tf.Variable``); distributed under a multi-replica scope."""
+
+    def __init__(self, initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
+                 dtype: Any = None, synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+                 aggregation: VariableAggregation = VariableAggregation.NONE, shape: Any = None,
+                 *, _device: str | None = None, _array: Any = None):
+        kwargs = _bind_variable_args(initial_value, trainable, name, dtype, synchronization, aggregation, shape)
+        sync, agg, trainable = _validate(kwargs)
+        strategy = context.get_strategy()
+        device = _device or strategy.extended._local_devices[0]
+        self._device = dev.canonicalize(device)
+        self._on_gpu = dev.is_gpu(self._device)
+        self._array = _frozen(_array if _array is not None else _initial_array(initial_value, dtype, self._device))
+        self._update_lock = threading.Lock()
+        self._name = name if name is not None else f"Variable_{next(_names)}"
+        self._trainable = trainable
+        self._synchronization = sync
+        self._aggregation = agg
+        self._distribute_strategy = strategy
+        self._distributed_container = None
+        if shape is not None and tuple(shape) != tuple(self._array.shape):
+            raise ValueError(f"Variable {self._name}: initial value has shape {tuple(self._array.shape)}, "
+                             f"not the given shape {tuple(shape)}")
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._array.dtype
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self._array.shape)
+
+    @property
+    def device(self) -> str:
+        """The canonical device, e.g. ``/job:localhost/replica:0/task:0/device:CPU:0``."""
+        return self._device
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    def value(self) -> Any:
+        """The current array: a snapshot (later assignments replace, not modify, it), read-only for NumPy."""
+        return self._array
+
+    def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
+        value = _operand(value)  # another variable: its value here (its copy for this replica or update)
+        if isinstance(value, DistributedValues):
+            raise ValueError(
+                f"Cannot assign a {type(value).__name__} to variable {self._name}, which holds a single value; "
+                "reduce it first (strategy.reduce) or update it per replica with strategy.extended.update.")
+        on_gpu = self._on_gpu
+        new = value if not on_gpu and type(value) is np.ndarray else dev.to_device(value, self._device)
+        with (dev.device_scope(self._device) if on_gpu else _NO_SCOPE), self._update_lock:
+            xp = dev.array_module(self._device) if on_gpu else np
+            if method == "assign":
+                new = xp.array(new, dtype=self.dtype, copy=True)
+                if new.shape != self._array.shape:
+                    raise ValueError(f"Cannot assign a value of shape {new.shape} to variable {self._name} "
+                                     f"of shape {self._array.shape}")
+            elif method == "assign_add":
+                new = xp.asarray(self._array + new).astype(self.dtype, copy=False)
+            else:
+                new = xp.asarray(self._array - new).astype(self.dtype, copy=False)
+            if new.shape != self._array.shape:
+                raise ValueError(f"Update of variable {self._name} would change its shape from "
+                                 f"{self._array.shape} to {new.shape}")
+            self._array = _frozen(new)
+        return self
+
+
+class DistributedVariable(BaseVariable, DistributedValues):
+    """A variable with one copy per local replica device."""
+
+    _is_mirrored = False
+    _is_sync_on_read = False
+
+    def __init__(self, strategy: Any, components: list[Variable], name: str, trainable: bool,
+                 synchronization: VariableSynchronization, aggregation: VariableAggregation):
+        DistributedValues.__init__(self, components)
+        self._strategy = strategy
+        self._distribute_strategy = strategy
+        self._name = name
+        self._trainable = trainable
+        self._synchronization = synchronization
+        self._aggregation = aggregation
+        for c in components:
+            c._distributed_container = self
+
+    @property
+    def distribute_strategy(self) -> Any:
+        return self._strategy
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._values[0].dtype
+
+    @property
+    def shape(self) -> tuple:
+        return self._values[0].shape
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    def _devices(self) -> tuple[str, ...]:
+        return tuple(c.device for c in self._values)
+
+    def __len__(self) -> int:
+        raise TypeError(f"len() of a variable is not defined ({type(self).__name__} {self._name!r}); "
+                        "use .shape[0], or len(strategy.experimental_local_results(v)) for its copies")
+
+    def _local_component(self) -> Variable | None:
+        """The copy that reads and writes use here: this replica's, the one being updated, or None (whole)."""
+        local_id = context.local_replica_id_of(self._strategy)
+        return None if local_id is None else self._values[local_id]
+
+    def __repr__(self) -> str:
+        # Per copy, as tf.distribute prints distributed values: no collective in a repr.
+        inner = ",\n  ".join(f"{i}: {BaseVariable.__repr__(c)}" for i, c in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n  {inner}\n}}"
+
+    @property
+    def device(self) -> str:
+        """The device of the current replica's copy (the primary copy in cross-replica context)."""
+        comp = self._local_component()
+        return (comp or self._values[0]).device
+
+    @property
+    def primary(self) -> Variable:
+        """The first local copy."""
+        return self._values[0]
+
+    def _in_this_strategy(self) -> None:
+        if context.has_strategy() and context.get_strategy() is not self._strategy:
+            raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {context.get_strategy()} is not "
+                               f"{self._strategy}")
+
+    def _first_replica_value(self, value: Any) -> Any:
+        """The value of global replica 0 (rank 0's first local replica), on every rank."""
+        first = value.values[0] if isinstance(value, DistributedValues) else value
+        comm = self._strategy.extended._communicator
+        if comm is not None and comm.size > 1:
+            first = comm.broadcast([np.asarray(dev.to_device(first, "/cpu:0"))], root=0)[0]
+        return first
+
+
+class MirroredVariable(DistributedVariable, Mirrored):
+    """A variable kept identical on every replica (synchronization ON_WRITE)."""
+
+    _is_mirrored = True
+
+    def value(self) -> Any:
+        comp = self._local_component()
+        return (comp or self._values[0]).value()
+
+    def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
+        self._in_this_strategy()
+        frame = context.current_frame()
+        if frame.strategy is self._strategy and frame.update_replica is not None:  # inside extended.update
+            self._values[frame.update_replica]._assign(method, value)
+            return self
+        ext = self._strategy.extended
+        if frame.strategy is not self._strategy or frame.cross_replica:
+            if isinstance(value, PerReplica):
+                raise ValueError(
+                    f"Cannot assign a PerReplica value to MirroredVariable {self._name} in cross-replica context: "
+                    "its copies must stay identical. Reduce the value first (strategy.reduce / extended.reduce_to), "
+                    "or assign inside strategy.run with an aggregation.")
+            ext.update(self, lambda comp, v: comp._assign(method, v), args=(value,))
+            return self
+        value = _operand(value)  # another variable: this replica's copy of it
+        if isinstance(value, DistributedValues):
+            raise ValueError(
+                f"Cannot update MirroredVariable {self._name} in replica context with a {type(value).__name__}: "
+                "pass this replica's own value (strategy.run unwraps distributed arguments per replica).")
+        if self._aggregation is VariableAggregation.NONE:
+            # As tf.distribute: only this replica's copy changes (keeping the copies equal is the caller's job).
+            self._values[frame.replica_context._local_replica_id]._assign(method, value)
+            return self
+        var = self
+
+        def merge_fn(strategy: Any, v: Any) -> None:
+            if var._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+                reduced = var._first_replica_value(v)
+            else:
+                op = ReduceOp.from_variable_aggregation(var._aggregation)
+                reduced = strategy.extended.reduce_to(op, v, var)
+            strategy.extended.update(var, lambda comp, r: comp._assign(method, r), args=(reduced,))
+
+        context.get_replica_context().merge_call(merge_fn, args=(value,))
+        return self
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """A variable each replica updates alone; reads in cross-replica context aggregate the copies."""
+
+    _is_sync_on_read = True
+
+    def value(self) -> Any:
+        comp = self._local_component()
+        if comp is not None:
+            return comp.value()
+        return self._cross_replica_value()
+
+    def _cross_replica_value(self) -> Any:
+        agg = self._aggregation
+        if agg is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._first_replica_value(PerReplica([c.value() for c in self._values]))
+        if agg is VariableAggregation.NONE:
+            raise ValueError(f"SyncOnReadVariable {self._name} has aggregation NONE, so it has no value in "
+                             "cross-replica context; give it SUM, MEAN or ONLY_FIRST_REPLICA, or read it inside "
+                             "strategy.run.")
+        op = ReduceOp.from_variable_aggregation(agg)
+        return self._strategy.extended.reduce_to(op, PerReplica([c.value() for c in self._values]),
+                                                 self._values[0].device)
+
+    def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
+        self._in_this_strategy()
+        comp = self._local_component()
+        if comp is not None:
+            comp._assign(method, value)
+            return self
+        if isinstance(value, PerReplica):
+            raise ValueError(f"Cannot assign a PerReplica value to SyncOnReadVariable {self._name} in "
+                             "cross-replica context; assign inside strategy.run to set each replica's copy.")
+        if self._aggregation is VariableAggregation.SUM:
+            if method != "assign":
+                raise ValueError(f"SyncOnReadVariable does not support `{method}` in cross-replica context when "
+                                 "aggregation is set to `VariableAggregation.SUM`.")
+            # Preserve the sum: every copy holds value / num_replicas_in_sync.
+            n = self._strategy.num_replicas_in_sync
+            value = dev.to_device(value, "/cpu:0")
+            value = np.asarray(value / n).astype(self.dtype)
+        for c in self._values:
+            c._assign(method, value)
+        return self
+
+
+def create_for_strategy(strategy: Any, kwargs: dict) -> DistributedVariable:
+    """Create the distributed variable for ``Variable(**kwargs)`` under ``strategy``'s scope."""
+    sync, agg, trainable = _validate(kwargs)
+    name = kwargs["name"] if kwargs["name"] is not None else f"Variable_{next(_names)}"
+    if sync is VariableSynchronization.NONE:
+        raise ValueError("`NONE` variable synchronization mode is not supported with tf.distribute strategy. "
+                         f"Please change the `synchronization` for variable: {name}")
+    ext = strategy.extended
+    devices = ext._local_devices
+    initial = _initial_array(kwargs["initial_value"], kwargs["dtype"], devices[0])
+    if agg is VariableAggregation.MEAN and initial.dtype.kind not in "fc":
+        raise ValueError(f"Creating a distributed variable ({name}) with aggregation=MEAN and a non-floating dtype "
+                         f"({initial.dtype}) is not supported, please use a different aggregation or dtype")
+    host = np.asarray(dev.to_device(initial, "/cpu:0"))
+    if kwargs["shape"] is not None and tuple(kwargs["shape"]) != host.shape:
+        raise ValueError(f"Variable {name}: initial value has shape {host.shape}, not the given shape "
+                         f"{tuple(kwargs['shape'])}")
+    host = ext._broadcast_initial_values([host])[0]
+    components = [
+        Variable(trainable=trainable, name=name, synchronization=sync, aggregation=agg,
+                 _device=d, _array=dev.to_device(host, d, copy=True))
+        for d in devices
+    ]
+    cls = SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable
+    return cls(strategy, components, name, trainable, sync, agg)
+
+
+Variable.register(DistributedVariable)

@@ -1,0 +1,155 @@
+"""``python -m mpistrat info``: what every rank sees, gathered into one table.
+
+Per rank: host, node index and local rank (shared-memory split), the cluster
+resolver mpistrat picks, whether CuPy imports and how many GPUs it sees, and
+the devices mpistrat would use. Once for the job: MPI library and version,
+MPI standard, thread level, whether the MPI is CUDA-aware
+(``mpistrat.comm.transport.cuda.mpi_cuda_support``: ``MPIX_Query_cuda_support`` of the
+loaded libmpi, or ``MPISTRAT_CUDA_AWARE``). Rank 0 prints;
+``--json`` prints the same facts as JSON. Works as one process and under
+``mpiexec``/``srun``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Any
+
+__all__ = ["collect", "format_table", "mpi_cuda_support", "add_arguments", "run"]
+
+
+def mpi_cuda_support() -> bool | str | None:
+    """Whether the MPI library is CUDA-aware: True, False, None (unknown), or
+    the error text when the question cannot be answered (e.g. a bad
+    ``MPISTRAT_CUDA_AWARE``). Answered by ``mpistrat.comm.transport.cuda``."""
+    from mpistrat.comm.transport.cuda import mpi_cuda_support as query  # noqa: PLC0415
+
+    try:
+        return query()
+    except Exception as exc:
+        return f"error: {type(exc).__name__}: {exc}"
+
+
+def _cupy_facts() -> tuple[str, int]:
+    try:
+        import cupy  # noqa: PLC0415
+    except Exception as exc:
+        return f"no ({type(exc).__name__})", 0
+    try:
+        return str(cupy.__version__), int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        return f"{cupy.__version__} ({type(exc).__name__})", 0
+
+
+def _thread_level_name(level: int) -> str:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    return names.get(level, str(level))
+
+
+def _rank_row(comm: Any) -> dict[str, Any]:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from mpistrat.cluster.resolvers import MPIClusterResolver, default_cluster_resolver  # noqa: PLC0415
+
+    mpi = MPIClusterResolver(comm)
+    row: dict[str, Any] = {
+        "rank": comm.Get_rank(), "size": comm.Get_size(), "host": mpi.hostname,
+        "node": mpi.node_index, "nodes": mpi.num_nodes,
+        "local_rank": mpi.local_rank, "local_size": mpi.local_size,
+    }
+    resolver = default_cluster_resolver(comm)  # may set CUDA_VISIBLE_DEVICES (Slurm): before CuPy
+    row["resolver"] = type(resolver).__name__
+    row["cupy"], row["gpus"] = _cupy_facts()
+    try:
+        row["devices"] = resolver.local_devices()
+    except Exception as exc:
+        row["devices"] = [f"error: {type(exc).__name__}: {exc}"]
+    row["thread_level"] = _thread_level_name(MPI.Query_thread())
+    row["cuda_aware"] = mpi_cuda_support()
+    return row
+
+
+def collect(comm: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """Gather every rank's facts (collective). Rank 0 gets ``(job, rows)``; others None."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    import mpistrat  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    row = _rank_row(comm)
+    rows = comm.gather(row, root=0)
+    if comm.Get_rank() != 0:
+        return None
+    import mpi4py  # noqa: PLC0415
+    import numpy  # noqa: PLC0415
+
+    library = MPI.Get_library_version().strip().splitlines()
+    job = {
+        "mpi_library": " ".join(library[0].split()) if library else "unknown",
+        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi4py": mpi4py.__version__,
+        "mpistrat": getattr(mpistrat, "__version__", _dist_version()),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "world_size": comm.Get_size(),
+    }
+    return job, rows
+
+
+def _dist_version() -> str:
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        return version("mpistrat")
+    except Exception:
+        return "unknown"
+
+
+def _yes_no(value: bool | str | None) -> str:
+    if isinstance(value, str):
+        return value
+    return {True: "yes", False: "no", None: "unknown"}[value]
+
+
+def format_table(job: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The text ``info`` prints: job lines, then one row per rank."""
+    lines = [
+        f"MPI library:  {job['mpi_library']} (MPI standard {job['mpi_standard']}, mpi4py {job['mpi4py']})",
+        f"mpistrat {job['mpistrat']}, Python {job['python']}, NumPy {job['numpy']}",
+        f"world size:   {job['world_size']}",
+        "",
+    ]
+    header = ["rank", "host", "node", "local", "threads", "cuda-aware", "resolver", "cupy", "gpus", "devices"]
+    table = [header] + [[
+        str(r["rank"]), r["host"], f"{r['node']}/{r['nodes']}", f"{r['local_rank']}/{r['local_size']}",
+        r["thread_level"], _yes_no(r["cuda_aware"]), r["resolver"].replace("ClusterResolver", ""),
+        r["cupy"], str(r["gpus"]), ",".join(r["devices"]),
+    ] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``info``."""
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``info``: rank 0 prints, every rank returns 0."""
+    result = collect()
+    if result is not None:
+        job, rows = result
+        if args.json:
+            print(json.dumps({"job": job, "ranks": rows}, indent=1))
+        else:
+            print(format_table(job, rows))
+        sys.stdout.flush()
+    return 0
