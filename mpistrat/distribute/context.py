@@ -4,13 +4,14 @@ Each thread has a stack of frames. A frame names the current strategy and
 either a replica context (inside ``strategy.run``, or the default replica
 context when no strategy is in scope) or the cross-replica mode (inside
 ``strategy.scope()`` or a ``merge_call``'s merge function). This module knows
-strategies only by duck typing, so it sits below ``distribute_lib``.
+strategies only by duck typing and never imports them: ``strategy.py``
+registers the default strategy's factory with :func:`set_default_factory`.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 __all__ = [
     "get_strategy",
@@ -43,7 +44,14 @@ class _State(threading.local):
 _state = _State()
 _default_frame: Frame | None = None
 _global_frame: Frame | None = None  # set by experimental_set_strategy, seen by every thread
+_default_factory: Callable[[], tuple[Any, Any]] | None = None
 _lock = threading.Lock()
+
+
+def set_default_factory(factory: Callable[[], tuple[Any, Any]]) -> None:
+    """Register the function that makes the default strategy and its replica context (called once, on first use)."""
+    global _default_factory
+    _default_factory = factory
 
 
 def _default() -> Frame:
@@ -51,9 +59,10 @@ def _default() -> Frame:
     if _default_frame is None:
         with _lock:
             if _default_frame is None:
-                from mpistrat.distribute.strategy import _default_strategy_and_replica_context  # noqa: PLC0415
-
-                strategy, replica_ctx = _default_strategy_and_replica_context()
+                if _default_factory is None:
+                    raise RuntimeError("No default strategy is registered: import mpistrat.distribute.strategy "
+                                       "(importing mpistrat does).")
+                strategy, replica_ctx = _default_factory()
                 _default_frame = Frame(strategy, replica_ctx)
     return _default_frame
 
@@ -84,11 +93,6 @@ def pop(frame: Frame) -> None:
 def thread_stack() -> list[Frame]:
     """This thread's stack (replica threads install their own)."""
     return _state.stack
-
-
-def set_thread_stack(stack: list[Frame]) -> None:
-    """Replace this thread's stack (used by replica threads)."""
-    _state.stack = stack
 
 
 def default_strategy() -> Any:

@@ -7,7 +7,7 @@ shared work (the cross-device ops, hence the ranks) for all of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -19,16 +19,13 @@ from mpistrat.distribute.regroup import regroup, select_replica
 from mpistrat.distribute.replica_group import Rendezvous
 from mpistrat.distribute.values import DistributedValues, ReduceOp
 
-if TYPE_CHECKING:
-    from mpistrat.distribute.strategy import Strategy
-
 __all__ = ["ReplicaContext"]
 
 
 class ReplicaContext:
     """The context of one replica inside ``Strategy.run``."""
 
-    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int, local_replica_id: int = 0,
+    def __init__(self, strategy: Any, replica_id_in_sync_group: int, local_replica_id: int = 0,
                  rendezvous: Rendezvous | None = None):
         self._strategy = strategy
         self._replica_id_in_sync_group = replica_id_in_sync_group
@@ -36,7 +33,7 @@ class ReplicaContext:
         self._rendezvous = rendezvous if rendezvous is not None else Rendezvous(1)
 
     @property
-    def strategy(self) -> "Strategy":
+    def strategy(self) -> Any:
         """The strategy this replica belongs to."""
         return self._strategy
 

@@ -21,7 +21,9 @@ from mpistrat import nest, timeline
 from mpistrat.distribute import context
 from mpistrat import devices as dev
 from mpistrat.distribute.context import Frame
+from mpistrat.distribute import variables
 from mpistrat.distribute.cross_device_ops import CrossDeviceOps, select_cross_device_ops
+from mpistrat.distribute.input_options import InputWorkerInfo
 from mpistrat.distribute.regroup import contains_distributed, local_values, regroup, select_component, select_replica
 from mpistrat.distribute.reduce_along import reduce_along, sum_and_count
 from mpistrat.distribute.replica_context import ReplicaContext
@@ -403,8 +405,6 @@ class StrategyExtended:
         yield
 
     def _create_variable(self, kwargs: dict) -> Any:
-        from mpistrat.distribute import variables  # noqa: PLC0415  (variables import this module)
-
         return variables.create_for_strategy(self._container_strategy(), kwargs)
 
     def _broadcast_initial_values(self, arrays: list) -> list:
@@ -558,9 +558,7 @@ class Strategy:
 
         return Dataset.from_tensor_slices(numpy_input)
 
-    def _input_worker_info(self) -> Any:
-        from mpistrat.distribute.input_options import InputWorkerInfo  # noqa: PLC0415
-
+    def _input_worker_info(self) -> InputWorkerInfo:
         ext = self._extended
         return InputWorkerInfo(
             num_workers=ext._num_workers,
@@ -598,3 +596,6 @@ class _DefaultDistributionStrategy(Strategy):
 def _default_strategy_and_replica_context() -> tuple[Strategy, ReplicaContext]:
     strategy = _DefaultDistributionStrategy()
     return strategy, ReplicaContext(strategy, 0, 0)
+
+
+context.set_default_factory(_default_strategy_and_replica_context)
