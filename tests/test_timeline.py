@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 import mpistrat as ms
 from mpistrat import timeline
+from mpistrat.distribute import context
 
 
 @pytest.mark.mpi(min_size=1)
@@ -67,3 +68,25 @@ def test_disabled_timeline_records_nothing():
     with timeline.span("x", "y") as args:
         args["k"] = 1
     assert timeline.stop() is None
+
+
+def test_one_replica_run_takes_the_same_path_with_the_timeline_on(tmp_path, monkeypatch):
+    strategy = ms.OneDeviceStrategy("/cpu:0")
+    ext = strategy.extended
+    solo_calls = []
+    run_solo = ext._run_solo
+    monkeypatch.setattr(ext, "_run_solo", lambda *a: solo_calls.append(1) or run_solo(*a))
+
+    def frames_and_mode():
+        return len(context.thread_stack()), ms.in_cross_replica_context()
+
+    off = strategy.run(frames_and_mode)
+    timeline.start(str(tmp_path / "trace.json"))
+    try:
+        on = strategy.run(frames_and_mode)
+    finally:
+        timeline.stop()
+    assert on == off == (1, False)
+    assert solo_calls == [1, 1]  # the one-replica short path, traced or not
+    steps = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e.get("cat") == "step"]
+    assert [(e["name"], e["args"]) for e in steps] == [("run", {"fn": "frames_and_mode", "replicas": 1})]

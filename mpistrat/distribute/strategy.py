@@ -465,21 +465,25 @@ class Strategy:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"`kwargs` to `run` must be a dict, got {type(kwargs).__name__}")
         ext = self._extended
-        if ext._num_local == 1 and not ext._group.in_step() and not timeline.enabled():
-            # The common multi-worker step: this thread is the one replica, and a cross-replica frame
-            # pushed under the replica's own frame would never be seen: only the scope's rules are checked.
-            _scope_needs_frame(self)
-            return ext._run_solo(fn, args, kwargs)
-        frame = _enter_scope(self)  # what `with self.scope()` does, without the scope object
+        traced = timeline.enabled()  # the timeline records a span around the same path; off, this is its cost
+        if traced:
+            start = timeline.now_us()
         try:
-            if not timeline.enabled():
-                return self._extended.call_for_each_replica(fn, args, kwargs)
-            with timeline.span("run", "step", fn=getattr(fn, "__name__", "fn"),
-                               replicas=self._extended._num_local):
-                return self._extended.call_for_each_replica(fn, args, kwargs)
+            if ext._num_local == 1 and not ext._group.in_step():
+                # The common multi-worker step: this thread is the one replica, and a cross-replica frame
+                # pushed under the replica's own frame would never be seen: only the scope's rules are checked.
+                _scope_needs_frame(self)
+                return ext._run_solo(fn, args, kwargs)
+            frame = _enter_scope(self)  # what `with self.scope()` does, without the scope object
+            try:
+                return ext.call_for_each_replica(fn, args, kwargs)
+            finally:
+                if frame is not None:
+                    context.pop(frame)
         finally:
-            if frame is not None:
-                context.pop(frame)
+            if traced:
+                timeline.record("run", "step", start, timeline.now_us() - start,
+                                fn=getattr(fn, "__name__", "fn"), replicas=ext._num_local)
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None) -> Any:
         """Reduce ``value`` across replicas (and along ``axis`` within each replica) to the host."""
