@@ -415,9 +415,6 @@ class _DistributedBase:
     def _make_steps(self) -> Iterator[List[Any]]:
         raise NotImplementedError
 
-    def _replica_spec(self, dataset_spec: Any) -> Any:
-        raise NotImplementedError
-
     def _per_replica(self, spec: Any) -> Any:
         if self._info.num_local_replicas == 1:
             return spec

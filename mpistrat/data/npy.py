@@ -15,7 +15,7 @@ from numpy.lib import format as npformat
 
 from mpistrat.data.errors import DataLossError, rank_label
 
-__all__ = ["open_npy", "npy_length"]
+__all__ = ["open_npy"]
 
 
 def _header(path: str, f) -> "tuple[tuple, np.dtype, bool, int]":
@@ -68,7 +68,3 @@ def open_npy(path: Union[str, os.PathLike]) -> np.ndarray:
         return np.zeros(shape, dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
-
-def npy_length(path: Union[str, os.PathLike]) -> int:
-    """Number of examples (first-axis length) in a ``.npy`` file, from its header only."""
-    return int(open_npy(path).shape[0])

@@ -54,7 +54,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         if comm.Get_size() > 1:
             install_abort_on_exception()
         self._cluster_resolver = resolver
-        self._communication_options = options
         communicator = RankCommunicator(comm, options)
         super().__init__(StrategyExtended(
             self, local_devices,

@@ -434,8 +434,6 @@ def _read(value: Any) -> Any:
 class Strategy:
     """A way to run a computation on several devices and workers (tf.distribute.Strategy)."""
 
-    _extended_class = StrategyExtended
-
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
 
