@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.data.node import Node, normalize_element
+from mpistrat.data.element import normalize_element
+from mpistrat.data.node import Node
 from mpistrat.data.options import Options
 from mpistrat.data.spec import TensorSpec
 from mpistrat.data.sources import GeneratorNode, ListFilesNode, NpyNode, RangeNode, TensorSlicesNode, TextLineNode, TFRecordNode

@@ -13,9 +13,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from mpistrat import nest
+from mpistrat.data.element import normalize_element
 from mpistrat.data.errors import DataLossError, rank_label
 from mpistrat.data.interleave import interleave
-from mpistrat.data.node import Node, normalize_element
+from mpistrat.data.node import Node
 from mpistrat.data.npy import open_npy
 from mpistrat.data.spec import TensorSpec
 from mpistrat.data.tfrecord import normalize_compression, tf_record_iterator

@@ -20,7 +20,7 @@ from typing import Any, Iterator, List, Optional
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.data.node import element_length, slice_element
+from mpistrat.data.element import element_length, slice_element
 from mpistrat.data.spec import TensorSpec
 
 __all__ = ["split_sizes", "rotated_sizes", "global_steps", "local_steps", "function_steps", "template_of", "empty_like_template"]

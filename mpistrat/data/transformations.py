@@ -12,8 +12,9 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from mpistrat import nest
+from mpistrat.data.element import normalize_element, stack_elements
 from mpistrat.data.interleave import interleave
-from mpistrat.data.node import Node, normalize_element, stack_elements
+from mpistrat.data.node import Node
 from mpistrat.data.prefetch import BackgroundProducer
 from mpistrat.data.spec import TensorSpec, batched_spec, unbatched_spec
 
