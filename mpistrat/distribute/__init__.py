@@ -1,0 +1,1 @@
+"""The tf.distribute programming model: context, values, variables, replica context, the strategies."""

@@ -1,4 +1,4 @@
-"""The distribution context: which strategy is current, and in which mode.
+"""The distribution context: each thread's stack of (strategy, mode) frames.
 
 Each thread has a stack of frames. A frame names the current strategy and
 either a replica context (inside ``strategy.run``, or the default replica

@@ -1,4 +1,4 @@
-"""Input options and contexts shared by the strategies and the input pipeline.
+"""What a strategy hands its input pipeline: options, the ``dataset_fn`` context, this rank's place.
 
 ``InputOptions`` and ``InputReplicationMode`` as ``tf.distribute``; ``InputContext``
 is what ``distribute_datasets_from_function`` passes to ``dataset_fn``;

@@ -1,10 +1,9 @@
-"""MultiWorkerMirroredStrategy: synchronous replicas across MPI ranks.
+"""MultiWorkerMirroredStrategy: synchronous replicas across MPI ranks, one rank per worker.
 
-One MPI rank is one worker. A worker's local replicas (its GPUs, else
-``/cpu:0``, or ``local_devices``) behave exactly as in MirroredStrategy;
-reductions add one cross-rank stage (``RankCommunicator``). Global replica
-id = rank x local replicas + local id. Rank 0 is the chief: variables start
-from its values and only it checkpoints.
+A worker's local replicas (its GPUs, else ``/cpu:0``, or ``local_devices``)
+behave exactly as in MirroredStrategy; reductions add one cross-rank stage
+(``RankCommunicator``). Global replica id = rank x local replicas + local id.
+Rank 0 is the chief: variables start from its values and only it checkpoints.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Moving between per-replica structures and structures of per-replica values.
 
-``regroup`` turns a list (one entry per local replica) of equally nested
-structures into one structure whose leaves are ``PerReplica`` (or the shared
-object when every replica gave the same one, or the distributed variable when
-every replica gave its own copy of it). ``select_replica`` does the reverse
-for one replica, as tf.distribute does: distributed variables stay whole (a
-replica function updates them through their aggregation); ``select_component``
-takes every distributed leaf apart, variables included.
+``regroup`` turns one structure per local replica into one structure of
+distributed leaves; ``select_replica`` and ``select_component`` take one
+replica's view back out.
 """
 
 from __future__ import annotations
@@ -83,7 +79,8 @@ def select_replica(local_replica_id: int, structure: Any) -> Any:
 
     ``PerReplica``/``Mirrored`` leaves become their component; distributed
     variables are kept whole (inside the replica they read and write the
-    replica's own copy).
+    replica's own copy, and a replica function updates them through their
+    aggregation).
     """
     return _select(local_replica_id, structure, keep_variables=True)
 

@@ -1,25 +1,8 @@
-"""Running a function on a rank's local replicas, and meeting points between them.
+"""Running one step on a rank's local replicas: a thread per replica, meeting at a ``Rendezvous``.
 
-A ``ReplicaGroup`` runs replica 0 in the calling thread and owns one
-persistent thread for each other local replica and a ``Rendezvous`` where
-replicas meet for collectives and ``merge_call``. The meeting's function (a
-merge function, a reduction) always runs in replica 0's thread, the thread
-that called ``strategy.run``, as tf.distribute runs merge functions in the
-main thread: its device is current there, and MPI is only ever called from
-that thread.
-
-A replica that raises aborts the group: every replica waiting at a meeting
-point raises too, and ``run`` re-raises the original exception, so a failure
-never leaves threads waiting for ever. An exception that reaches the calling
-thread while it waits for the other replicas (Ctrl-C) aborts the step too;
-if the replicas do not wind down at once, the group starts fresh threads and
-a fresh meeting point for the next step, so nothing of the interrupted step
-leaks into it.
-
-A group runs one step at a time. A ``strategy.run`` issued while one of the
-strategy's replicas is inside a step (from a ``merge_call``'s merge function)
-needs a group of its own: :meth:`ReplicaGroup.in_step` tells the strategy so,
-for every group sharing the strategy's ``step_marker``.
+The meeting's function (a merge function, a reduction) always runs in replica
+0's thread, the one that called ``strategy.run``, so MPI is only ever called
+from that thread; a replica that raises aborts the whole step.
 """
 
 from __future__ import annotations
@@ -216,7 +199,27 @@ class _ReplicaThread(threading.Thread):
 
 
 class ReplicaGroup:
-    """Runs a function once per local replica, each with its replica context and device."""
+    """Runs a function once per local replica, each with its replica context and device.
+
+    Replica 0 runs in the calling thread; the group owns one persistent
+    thread for each other local replica and the ``Rendezvous`` where they
+    meet for collectives and ``merge_call``. As tf.distribute runs merge
+    functions in the main thread, the meeting's function runs in replica 0's
+    thread: its device is current there, and MPI is only called from it.
+
+    A replica that raises aborts the group: every replica waiting at a
+    meeting point raises too, and ``run`` re-raises the original exception,
+    so a failure never leaves threads waiting for ever. An exception that
+    reaches the calling thread while it waits for the other replicas (Ctrl-C)
+    aborts the step too; if the replicas do not wind down at once, the group
+    starts fresh threads and a fresh meeting point for the next step, so
+    nothing of the interrupted step leaks into it.
+
+    A group runs one step at a time. A ``strategy.run`` issued while one of
+    the strategy's replicas is inside a step (from a ``merge_call``'s merge
+    function) needs a group of its own: :meth:`in_step` tells the strategy
+    so, for every group sharing the strategy's ``step_marker``.
+    """
 
     def __init__(self, num_local: int, step_marker: threading.local | None = None):
         self.num_local = num_local

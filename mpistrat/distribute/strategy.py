@@ -1,11 +1,10 @@
-"""Strategy and StrategyExtended: the machinery all strategies share (ReplicaContext: replica_context.py).
+"""The strategy API (``Strategy``, ``StrategyExtended``) as one implementation every strategy shares.
 
-One ``StrategyExtended`` implementation serves every strategy. It is defined
-by this rank's local replica devices and, for multi-worker strategies, a
-``RankCommunicator`` over the MPI ranks. Global replica id = worker index x
-local replicas + local id. The concrete strategies (``one_device``,
-``mirrored``, ``multi_worker``) only choose devices, communicator and
-variable policy.
+A strategy is defined by this rank's local replica devices and, for
+multi-worker strategies, a ``RankCommunicator`` over the MPI ranks; global
+replica id = worker index x local replicas + local id. The concrete
+strategies (``one_device``, ``mirrored``, ``multi_worker``) only choose
+devices, communicator and variable policy.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""Variables: plain, mirrored (ON_WRITE) and sync-on-read (ON_READ).
+"""Variables as tf.distribute has them: plain, mirrored (ON_WRITE) or sync-on-read (ON_READ).
 
-``Variable(...)`` creates a plain variable on the current strategy's device,
-or, under the scope of a strategy with distributed variables (Mirrored,
-MultiWorkerMirrored), a ``MirroredVariable`` or ``SyncOnReadVariable`` with
-one copy per local replica device. Assignment follows tf.distribute: inside
-``strategy.run`` a mirrored variable aggregates the replicas' updates (its
-``aggregation``) and applies the same update to every copy; a sync-on-read
-variable updates only the replica's own copy and aggregates when read in
-cross-replica context. A distributed variable used with no strategy in scope
-behaves as in its strategy's cross-replica context (TF enters the strategy).
-
-Assignments replace a copy's array rather than writing into it, so an array
-returned by ``value()`` is a snapshot that later updates do not change. NumPy
-values are read-only (as a ``tf.Tensor`` is immutable): write into
-``numpy()``, which is a copy. Updates of one variable from several replica
-threads are atomic.
+``Variable(...)`` makes the kind the current strategy's scope calls for. An
+assignment replaces a copy's array instead of writing into it, so ``value()``
+is a read-only snapshot; updates of one variable from several replica threads
+are atomic.
 """
 
 from __future__ import annotations
@@ -237,7 +226,18 @@ def _validate(kwargs: dict) -> tuple[VariableSynchronization, VariableAggregatio
 
 
 class Variable(BaseVariable, metaclass=_VariableMeta):
-    """A mutable array on one device (``tf.Variable``); distributed under a multi-replica scope."""
+    """A mutable array on one device (``tf.Variable``); distributed under a multi-replica scope.
+
+    ``Variable(...)`` creates a plain variable on the current strategy's
+    device, or, under the scope of a strategy with distributed variables
+    (Mirrored, MultiWorkerMirrored), a ``MirroredVariable`` or
+    ``SyncOnReadVariable`` with one copy per local replica device.
+
+    Assignments replace the array rather than writing into it, so an array
+    returned by ``value()`` is a snapshot that later updates do not change.
+    NumPy values are read-only (as a ``tf.Tensor`` is immutable): write into
+    ``numpy()``, which is a copy.
+    """
 
     def __init__(self, initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
                  dtype: Any = None, synchronization: VariableSynchronization = VariableSynchronization.AUTO,
@@ -321,7 +321,16 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
 
 
 class DistributedVariable(BaseVariable, DistributedValues):
-    """A variable with one copy per local replica device."""
+    """A variable with one copy per local replica device.
+
+    Assignment follows tf.distribute: inside ``strategy.run`` a mirrored
+    variable aggregates the replicas' updates (its ``aggregation``) and
+    applies the same update to every copy; a sync-on-read variable updates
+    only the replica's own copy and aggregates when read in cross-replica
+    context. Used with no strategy in scope, it behaves as in its strategy's
+    cross-replica context (TF enters the strategy). Updates from several
+    replica threads are atomic.
+    """
 
     _is_mirrored = False
     _is_sync_on_read = False
