@@ -1,4 +1,4 @@
-"""Auto-sharding by policy: find the file source of a pipeline and rebuild it per worker.
+"""Auto-sharding: which part of a pipeline's input each worker reads, by ``AutoShardPolicy``.
 
 FILE gives worker w the files ``files[w::W]`` of the one file-based source at the
 root of the pipeline (ListFiles shards its sorted list before shuffling, so

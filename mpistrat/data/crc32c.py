@@ -1,9 +1,8 @@
-"""CRC-32C (Castagnoli) and TFRecord's masked CRC.
+"""CRC-32C (Castagnoli) checksums, plain and masked as TFRecord stores them.
 
 Uses ``google-crc32c`` (hardware accelerated) when installed, else the ``crc32c``
-package, else a pure-Python table implementation that is correct but about a
-thousand times slower (it caps TFRecord reading at a few MB/s): install
-``google-crc32c`` (``pip install mpistrat[data]``) for real workloads.
+package, else a pure-Python table implementation that is correct but far slower:
+install ``google-crc32c`` (``pip install mpistrat[data]``) for real workloads.
 Set ``MPISTRAT_CRC32C=python`` to force the fallback (for tests).
 """
 

@@ -1,25 +1,12 @@
-"""Distributed datasets and iterators: sharding by policy, batch splitting, per-device prefetch.
+"""Distributed datasets: each step, this rank's per-replica part of the input, in step with every rank.
 
-``DistributedDataset(dataset, worker_info, options)`` and
-``DistributedDatasetsFromFunction(dataset_fn, worker_info, options)`` are what
-the strategies return from ``experimental_distribute_dataset`` and
-``distribute_datasets_from_function``. Each step yields this rank's per-replica
-values: the plain value with one local replica, else ``PerReplica`` in local
-replica order. How batches are split is described in :mod:`.splitting`.
-
-The ranks agree (``communicator.step_agreement``) on a code per rank: n > 0
-steps this rank holds in memory, 0 exhausted, -1 exhausted without ever having
-seen a batch (it then receives the structure of an empty batch), -2 failed; all
-ranks then run the smallest positive n steps before agreeing again (see
-:class:`DistributedIterator`). Iteration ends on every rank at the first step
-where no rank has data; a
-replica without data meanwhile gets an empty batch (leading dimension 0, same
-trailing shape and dtype). A failure on any rank raises
-:class:`InputPipelineError` on every rank, naming the failing rank(s) and their
-messages. With ``experimental_fetch_to_device`` and a positive
-``experimental_per_replica_buffer_size``, a background thread prepares the next
-steps and copies each replica's part to its device (CuPy: on a non-blocking
-stream per device, synchronised before hand-over) into a bounded queue.
+``DistributedDataset`` and ``DistributedDatasetsFromFunction`` are what the
+strategies return from ``experimental_distribute_dataset`` and
+``distribute_datasets_from_function``; each step yields the plain value with
+one local replica, else a ``PerReplica`` in local replica order. Sharding is
+:mod:`.autoshard`'s, batch splitting :mod:`.splitting`'s, the background
+thread :mod:`.prefetch`'s; this module holds the ranks' agreement on steps
+(:class:`DistributedIterator`) and the placement on devices.
 """
 
 from __future__ import annotations
@@ -157,6 +144,20 @@ class _Placer:
 class DistributedIterator:
     """One pass over a distributed dataset: ``next``, ``get_next``, ``get_next_as_optional``.
 
+    The ranks agree (``communicator.step_agreement``) on a code per rank: n > 0
+    steps this rank holds in memory, 0 exhausted, -1 exhausted without ever
+    having seen a batch (it then receives the structure of an empty batch), -2
+    failed; all ranks then run the smallest positive n steps before agreeing
+    again. Iteration ends on every rank at the first step where no rank has
+    data; a replica without data meanwhile gets an empty batch (leading
+    dimension 0, same trailing shape and dtype). A failure on any rank raises
+    :class:`InputPipelineError` on every rank, naming the failing rank(s) and
+    their messages. With ``experimental_fetch_to_device`` and a positive
+    ``experimental_per_replica_buffer_size``, a background thread prepares the
+    next steps and copies each replica's part to its device (CuPy: on a
+    non-blocking stream per device, synchronised before hand-over) into a
+    bounded queue.
+
     Agreement is amortised without changing its meaning: at an agreement point each
     rank reports how many steps it already holds in memory, and all ranks then run
     the smallest positive count of steps without talking. Without the prefetch
@@ -203,7 +204,7 @@ class DistributedIterator:
         if options.fetch_to_device and buffer > 0:
             # The thread runs at most its queue's depth ahead and then blocks. It starts at `buffer`: a thread
             # that is always busy (a deep queue filling) holds the GIL whenever this thread wakes from the
-            # user's compute, which costs up to the interpreter's switch interval (5 ms) per step. With
+            # user's compute, which costs up to the interpreter's switch interval per step. With
             # several workers on CPU devices the depth doubles whenever an agreement finds the queue full, up
             # to AGREEMENT_WINDOW steps, and the thread holds at most AGREEMENT_BYTES in all, or `buffer`
             # steps if those are more (a byte budget counted step by step), so that agreement is amortised as with host

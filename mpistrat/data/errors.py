@@ -1,4 +1,4 @@
-"""Errors raised by the input pipeline, and the rank label used in their messages."""
+"""The input pipeline's errors, whose messages name the rank (``rank_label``)."""
 
 from __future__ import annotations
 

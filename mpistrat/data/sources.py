@@ -1,4 +1,4 @@
-"""Source nodes: range, tensor slices, generators, file lists, and file readers."""
+"""Source nodes: where a pipeline's elements come from (ranges, arrays, generators, files)."""
 
 from __future__ import annotations
 

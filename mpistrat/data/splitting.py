@@ -1,16 +1,8 @@
-"""Splitting global batches across replicas, step by step.
+"""Splitting batches across replicas, step by step (pieces cut like ``numpy.array_split``).
 
-DATA (global stream): every worker reads every global batch; batch t of B rows
-is cut like ``numpy.array_split`` into N = W*R pieces (earlier pieces larger) and
-global replica g gets piece g at step t.
-
-FILE and OFF (local streams), following TF's ``batch_sizes_for_worker``:
-worker w reads its own batches of B rows; each is cut into N pieces whose sizes
-are the array_split sizes rotated by w*R, and consumed R pieces per step, so one
-of the worker's batches feeds W consecutive steps and every step consumes B rows
-over all replicas while the data lasts. (TF cuts a short last batch with the
-full-batch sizes, filling early pieces first; here a short batch is cut with its
-own array_split sizes, so replicas stay within one row of each other.)
+DATA sharding cuts every global batch over all W*R replicas
+(:func:`global_steps`); FILE and OFF cut each worker's own batches as TF's
+``batch_sizes_for_worker`` does (:func:`local_steps`).
 """
 
 from __future__ import annotations
@@ -48,7 +40,12 @@ def _cuts(batch: Any, sizes: list) -> list:
 
 
 def global_steps(batches: Iterator[Any], num_replicas: int, first_replica: int, num_local: int) -> Iterator[List[Any]]:
-    """DATA: per step, this rank's pieces of the global batch (array_split, piece g to replica g)."""
+    """DATA: per step, this rank's pieces of the global batch (array_split, piece g to replica g).
+
+    Every worker reads every global batch; batch t of B rows is cut like
+    ``numpy.array_split`` into N = W*R pieces (earlier pieces larger) and
+    global replica g gets piece g at step t.
+    """
     for batch in batches:
         sizes = split_sizes(element_length(batch), num_replicas)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
@@ -59,6 +56,15 @@ def global_steps(batches: Iterator[Any], num_replicas: int, first_replica: int, 
 
 def local_steps(batches: Iterator[Any], num_workers: int, num_local: int, worker_index: int) -> Iterator[List[Any]]:
     """FILE/OFF: each local batch cut into W*R rotated pieces, R pieces per step over W steps.
+
+    As TF's ``batch_sizes_for_worker``: worker w reads its own batches of B
+    rows; each is cut into N = W*R pieces whose sizes are the array_split
+    sizes rotated by w*R, and consumed R pieces per step, so one of the
+    worker's batches feeds W consecutive steps and every step consumes B rows
+    over all replicas while the data lasts. (TF cuts a short last batch with
+    the full-batch sizes, filling early pieces first; here a short batch is
+    cut with its own array_split sizes, so replicas stay within one row of
+    each other.)
 
     Steps with no rows at all after the worker's last batch are dropped; to know a
     batch is the last one, the next batch is read early only when such steps exist.

@@ -1,5 +1,4 @@
-"""Transformation nodes: map, filter, batch, unbatch, shuffle, repeat, take, skip, shard,
-interleave, prefetch, cache, zip, enumerate, concatenate."""
+"""Transformation nodes: the pipeline steps a ``Dataset`` method adds (map, batch, shuffle, ...)."""
 
 from __future__ import annotations
 
