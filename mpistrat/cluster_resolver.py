@@ -1,10 +1,4 @@
-"""Cluster resolvers (``ms.cluster_resolver``, as ``tf.distribute.cluster_resolver``).
-
-``MPIClusterResolver`` (one MPI rank = one worker), ``SlurmClusterResolver``
-(TensorFlow's, read from a Slurm step), their base ``ClusterResolver``,
-``ClusterSpec``, and ``default_cluster_resolver()`` (Slurm inside a matching
-step, else MPI). Details in ``mpistrat.cluster.resolvers``.
-"""
+"""``ms.cluster_resolver`` (as ``tf.distribute.cluster_resolver``): the public path of :mod:`mpistrat.cluster`."""
 
 from mpistrat.cluster.resolvers import (
     ClusterResolver,

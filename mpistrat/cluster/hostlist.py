@@ -1,15 +1,7 @@
-"""Slurm's compressed list formats: host lists and tasks-per-node lists.
+"""Slurm's compressed list formats (host lists, tasks-per-node lists), expanded.
 
-``expand_hostlist("n[1-2],m5,o[3-4,6,7-9]")`` gives
-``["n1", "n2", "m5", "o3", "o4", "o6", "o7", "o8", "o9"]``: order is kept,
-duplicates are kept, zero padding follows the first bound (``n[001-3]`` gives
-``n001, n002, n003``), and several bracket groups in one name expand as Slurm
-does (``r[1-2]n[1-2]`` gives ``r1n1, r1n2, r2n1, r2n2``). Text after a bracket
-(``gpu[1-2]-ib``) is accepted as python-hostlist reads it, although Slurm
-22.05's ``scontrol`` rejects it. ``expand_tasks_per_node("2(x2),1")`` gives
-``[2, 2, 1]``. These are short, pure-Python functions with no dependency; the
-results are checked against Slurm's own ``scontrol show hostnames`` in the
-Slurm tests.
+Short, pure-Python functions with no dependency; the results are checked
+against Slurm's own ``scontrol show hostnames`` in the Slurm tests.
 """
 
 from __future__ import annotations
@@ -80,7 +72,16 @@ def _expand_name(name: str, original: str) -> list[str]:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a Slurm host list (``SLURM_STEP_NODELIST``) into host names."""
+    """Expand a Slurm host list (``SLURM_STEP_NODELIST``) into host names.
+
+    ``expand_hostlist("n[1-2],m5,o[3-4,6,7-9]")`` gives
+    ``["n1", "n2", "m5", "o3", "o4", "o6", "o7", "o8", "o9"]``: order is kept,
+    duplicates are kept, zero padding follows the first bound (``n[001-3]``
+    gives ``n001, n002, n003``), and several bracket groups in one name expand
+    as Slurm does (``r[1-2]n[1-2]`` gives ``r1n1, r1n2, r2n1, r2n2``). Text
+    after a bracket (``gpu[1-2]-ib``) is accepted as python-hostlist reads it,
+    although Slurm 22.05's ``scontrol`` rejects it.
+    """
     if not isinstance(hostlist, str):
         raise TypeError(f"A hostlist must be a string, got {type(hostlist).__name__}")
     text = hostlist.strip()

@@ -1,46 +1,9 @@
 """Cluster resolvers: who this rank is, where its peers are, which GPUs it uses.
 
-* ``ClusterSpec``: job name -> task addresses, as ``tf.train.ClusterSpec``.
-* ``MPIClusterResolver(comm=None)``: one MPI rank is one "worker" task
-  (collective over ``comm`` when created).
-* ``SlurmClusterResolver(...)``: TensorFlow's resolver, read from a Slurm step's
-  environment, with no MPI import (so it can set ``CUDA_VISIBLE_DEVICES``
-  before anything starts CUDA).
-* ``default_cluster_resolver(comm=None)``: Slurm inside a matching Slurm step,
-  else MPI.
-* ``gpu_binding`` / ``local_devices_for``: the GPUs a rank uses.
-
-Addresses. MPI needs no ports, but TensorFlow's API speaks of ``host:port``
-addresses, so both resolvers describe task i on a node as
-``hostname:(port_base + i)`` where i is the task's position on its node
-(TensorFlow's Slurm convention; ``port_base`` defaults to 8888). The port is a
-placeholder: nothing listens on it. In a Slurm step both resolvers therefore
-give the same ``cluster_spec()``.
-
-GPU binding rule (``gpu_binding``), for the k-th of L tasks on a node that has
-n GPUs, with g GPUs per task when given:
-
-* n == 0: no GPU, the task uses ``/cpu:0``.
-* g given: GPUs ``[k*g, (k+1)*g)``; ``L*g > n`` is an error.
-* g not given, L >= n: one GPU, ``k % n`` (several tasks share a GPU when
-  there are more tasks than GPUs).
-* g not given, L < n: a block of ``g = n // L`` GPUs, ``[k*g, (k+1)*g)``, so
-  every task gets the same number of replicas; the last ``n % L`` GPUs stay
-  unused.
-
-L is the largest number of tasks on any node, so all tasks get equally many
-GPUs. ``mpiexec -n 4`` on a 4-GPU node gives each rank one GPU; one process on
-a 4-GPU node gets all four.
-
-Differences from TensorFlow's ``SlurmClusterResolver`` (all on purpose):
-nodes keep the order of ``SLURM_STEP_NODELIST`` (TensorFlow sorts names as
-strings, which puts ``n10`` before ``n9`` and no longer matches Slurm's task
-ids); the own task's GPUs use ``SLURM_LOCALID`` when set (right for any
-``--distribution``); when ``CUDA_VISIBLE_DEVICES`` already lists the node's
-GPUs (as Slurm sets it for ``--gres``/``--gpus``), a task's GPUs are taken from
-that list instead of renumbered from 0; an empty ``CUDA_VISIBLE_DEVICES``
-counts as no GPU; a node without GPUs (or without ``nvidia-smi``) gives 0 GPUs
-instead of an error, and then ``CUDA_VISIBLE_DEVICES`` is left alone.
+``ClusterSpec`` and ``ClusterResolver`` as TensorFlow's; ``MPIClusterResolver``
+(one MPI rank = one worker), ``SlurmClusterResolver`` (read from a Slurm step's
+environment, with no MPI import), ``default_cluster_resolver`` (Slurm inside a
+matching Slurm step, else MPI) and ``gpu_binding`` (the GPUs a rank uses).
 """
 
 from __future__ import annotations
@@ -162,7 +125,15 @@ class ClusterResolver:
     """Base class: ``task_type``, ``task_id``, ``rpc_layer``, ``cluster_spec()``,
     ``master()``, ``num_accelerators()``, ``environment``, plus mpistrat's
     ``local_gpus()``, ``local_devices()`` and ``comm`` (the MPI communicator
-    whose ranks are the tasks; None means ``COMM_WORLD``)."""
+    whose ranks are the tasks; None means ``COMM_WORLD``).
+
+    Addresses: MPI needs no ports, but TensorFlow's API speaks of
+    ``host:port`` addresses, so both resolvers describe task i on a node as
+    ``hostname:(port_base + i)`` where i is the task's position on its node
+    (TensorFlow's Slurm convention; ``port_base`` defaults to 8888). The port
+    is a placeholder: nothing listens on it. In a Slurm step both resolvers
+    therefore give the same ``cluster_spec()``.
+    """
 
     task_type: str | None = None
     task_id: int | None = None
@@ -210,8 +181,23 @@ class ClusterResolver:
 
 def gpu_binding(local_rank: int, local_size: int, num_gpus: int,
                 gpus_per_task: int | None = None) -> list[int]:
-    """GPU indices for the ``local_rank``-th of ``local_size`` tasks on a node
-    with ``num_gpus`` GPUs (rule in the module docstring)."""
+    """GPU indices for the ``local_rank``-th of ``local_size`` tasks on a node with ``num_gpus`` GPUs.
+
+    For the k-th of L tasks on a node that has n GPUs, with g GPUs per task
+    when given:
+
+    * n == 0: no GPU, the task uses ``/cpu:0``.
+    * g given: GPUs ``[k*g, (k+1)*g)``; ``L*g > n`` is an error.
+    * g not given, L >= n: one GPU, ``k % n`` (several tasks share a GPU when
+      there are more tasks than GPUs).
+    * g not given, L < n: a block of ``g = n // L`` GPUs, ``[k*g, (k+1)*g)``,
+      so every task gets the same number of replicas; the last ``n % L`` GPUs
+      stay unused.
+
+    The resolvers pass as L the largest number of tasks on any node, so all
+    tasks get equally many GPUs. ``mpiexec -n 4`` on a 4-GPU node gives each
+    rank one GPU; one process on a 4-GPU node gets all four.
+    """
     if local_size < 1 or not 0 <= local_rank < local_size:
         raise ValueError(f"local_rank must be in [0, {local_size}), got {local_rank}")
     if num_gpus < 0:
@@ -309,7 +295,19 @@ class SlurmClusterResolver(ClusterResolver):
     ``auto_set_gpu`` it sets ``CUDA_VISIBLE_DEVICES`` to this task's GPUs when
     created (and again on ``cluster_spec()``, as TensorFlow): create it before
     anything starts CUDA. ``comm`` (an mpistrat extension) is carried for the
-    strategy: the MPI communicator whose ranks are these tasks.
+    strategy: the MPI communicator whose ranks are these tasks. It imports no
+    MPI.
+
+    Differences from TensorFlow's ``SlurmClusterResolver`` (all on purpose):
+    nodes keep the order of ``SLURM_STEP_NODELIST`` (TensorFlow sorts names
+    as strings, which puts ``n10`` before ``n9`` and no longer matches Slurm's
+    task ids); the own task's GPUs use ``SLURM_LOCALID`` when set (right for
+    any ``--distribution``); when ``CUDA_VISIBLE_DEVICES`` already lists the
+    node's GPUs (as Slurm sets it for ``--gres``/``--gpus``), a task's GPUs
+    are taken from that list instead of renumbered from 0; an empty
+    ``CUDA_VISIBLE_DEVICES`` counts as no GPU; a node without GPUs (or
+    without ``nvidia-smi``) gives 0 GPUs instead of an error, and then
+    ``CUDA_VISIBLE_DEVICES`` is left alone.
     """
 
     def __init__(self, jobs: Mapping[str, int] | None = None, port_base: int = DEFAULT_PORT_BASE,

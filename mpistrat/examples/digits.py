@@ -1,29 +1,7 @@
-"""The digits data set as sharded ``.npy`` files, and the input pipelines of the training example.
+"""The training example's input: scikit-learn's digits stored as ``.npy`` shards, read by FILE-sharded pipelines.
 
-``prepare_digits`` writes scikit-learn's bundled digits (no download) once
-into a data directory: ``S`` train and ``S`` test shards, each row 64 pixel
-values / 16 and the label. On each node the first rank writes into a
-temporary directory and renames it into place; the other ranks wait, so
-several ranks and several jobs may share the directory.
-
-Layout, and why every rank/replica layout sees the same global batches:
-example ``i`` of the (fixed, seeded) training order is stored as row ``i // S``
-of shard ``i % S``, and all train shards have the same length. Interleaving
-the shards row by row (block length 1) reads the examples in order, and a
-rank holding shards ``w, w+W, ...`` (FILE auto-sharding) reads exactly its
-share of every global batch: under TF's FILE batch rule (a rank's batch of B
-rows feeds W consecutive steps) step ``t`` of any layout uses rows
-``t*B/S ... (t+1)*B/S - 1`` of every shard. Each epoch every shard is
-shuffled with the same seed (from ``seed`` and the epoch), i.e. by the same
-row permutation, which keeps that property; the stream repeats so that a
-rank's last batch of the epoch is full too, and the caller runs only
-``rows // B`` steps, so the repeated rows are never consumed. Hence 1 rank x
-4 replicas, 2 x 2, 4 x 1 and 1 x 1 see the same global batches and, as the
-reduced gradient is a sum divided by the global count, train the same
-weights up to floating-point summation order. This needs ``S`` divisible by
-the number of ranks and the global batch divisible by ``S`` and by the
-number of replicas (otherwise training is still correct, only not
-layout-independent). A resumed run reshuffles exactly as an uninterrupted one.
+The shards are laid out so that every layout of ranks and replicas sees the
+same global batches (:func:`train_dataset` says how).
 """
 
 from __future__ import annotations
@@ -129,9 +107,11 @@ def _save_json(path: str, obj: dict) -> None:
 def prepare_digits(data_dir: str, num_shards: int, comm: Any = None) -> DigitsData:
     """Write the digits shards into ``data_dir`` unless present; collective over ``comm`` (mpi4py) if given.
 
-    The first rank of each node writes (atomically: a temporary directory
-    renamed into place); the others wait. An error on any rank is raised on
-    every rank.
+    scikit-learn's bundled digits (no download) become ``S`` train and ``S``
+    test shards, each row 64 pixel values / 16 and the label. The first rank
+    of each node writes (atomically: a temporary directory renamed into
+    place); the others wait, so several ranks and several jobs may share the
+    directory. An error on any rank is raised on every rank.
     """
     target = os.path.join(os.path.abspath(data_dir), f"digits-{num_shards}shards")
     node = None
@@ -177,7 +157,27 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def train_dataset(data: DigitsData, global_batch_size: int, seed: int, epoch: int) -> Any:
-    """The epoch's training pipeline (see the module docstring for why every layout sees the same batches)."""
+    """The epoch's training pipeline: the same global batches under every rank/replica layout.
+
+    Example ``i`` of the (fixed, seeded) training order is stored as row
+    ``i // S`` of shard ``i % S``, and all train shards have the same length.
+    Interleaving the shards row by row (block length 1) reads the examples in
+    order, and a rank holding shards ``w, w+W, ...`` (FILE auto-sharding)
+    reads exactly its share of every global batch: under TF's FILE batch rule
+    (a rank's batch of B rows feeds W consecutive steps) step ``t`` of any
+    layout uses rows ``t*B/S ... (t+1)*B/S - 1`` of every shard. Each epoch
+    every shard is shuffled with the same seed (from ``seed`` and the epoch),
+    i.e. by the same row permutation, which keeps that property; the stream
+    repeats so that a rank's last batch of the epoch is full too, and the
+    caller runs only ``rows // B`` steps, so the repeated rows are never
+    consumed. Hence 1 rank x 4 replicas, 2 x 2, 4 x 1 and 1 x 1 see the same
+    global batches and, as the reduced gradient is a sum divided by the
+    global count, train the same weights up to floating-point summation
+    order. This needs ``S`` divisible by the number of ranks and the global
+    batch divisible by ``S`` and by the number of replicas (otherwise
+    training is still correct, only not layout-independent). A resumed run
+    reshuffles exactly as an uninterrupted one.
+    """
     from mpistrat.data import Dataset, NpyDataset  # noqa: PLC0415
 
     shuffle_seed = epoch_seed(seed, epoch)

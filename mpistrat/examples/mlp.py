@@ -1,12 +1,4 @@
-"""A multilayer perceptron with hand-written forward and backward passes.
-
-The weights are ``mpistrat.Variable``s created under the current strategy's
-scope (mirrored variables under Mirrored/MultiWorkerMirrored strategies).
-Inside ``strategy.run`` each replica reads its own copy, on its own device,
-and computes with that device's array module (NumPy on CPUs, CuPy on GPUs).
-Losses and gradients are *sums* over the replica's examples, so replicas'
-results can be added with one all-reduce and divided by the global count.
-"""
+"""A multilayer perceptron with hand-written forward and backward passes."""
 
 from __future__ import annotations
 
@@ -40,6 +32,14 @@ def softmax_cross_entropy_sum(logits: Any, labels: Any) -> "tuple[Any, Any]":
 
 class MLP:
     """Dense layers with ReLU between them and a softmax cross-entropy head.
+
+    The weights are ``mpistrat.Variable``s created under the current
+    strategy's scope (mirrored variables under Mirrored/MultiWorkerMirrored
+    strategies). Inside ``strategy.run`` each replica reads its own copy, on
+    its own device, and computes with that device's array module (NumPy on
+    CPUs, CuPy on GPUs). Losses and gradients are *sums* over the replica's
+    examples, so replicas' results can be added with one all-reduce and
+    divided by the global count.
 
     Args:
       layer_sizes: ``[inputs, hidden..., classes]``, e.g. ``[64, 128, 10]``.

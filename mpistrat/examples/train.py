@@ -4,29 +4,7 @@ Run it as ``python examples/train.py``, ``python -m mpistrat.examples.train``,
 ``mpiexec -n 4 python examples/train.py`` or ``srun --mpi=pmi2 python
 examples/train.py``; ``--help`` lists the flags. One MPI rank is one worker of a
 ``MultiWorkerMirroredStrategy``; ``--devices /cpu:0,/cpu:1`` gives each rank
-several replicas (logical CPUs, or ``/gpu:K``).
-
-What happens:
-
-1. The digits data is written once into ``--data-dir`` as sharded ``.npy``
-   files (``digits.py``; safe when many ranks and jobs share the directory).
-2. Each epoch a pipeline ``list_files -> interleave(NpyDataset(f).shuffle)
-   -> batch(global batch) -> map(split x/y)`` goes through
-   ``strategy.experimental_distribute_dataset`` with FILE auto-sharding (rank
-   ``w`` reads shards ``w, w+W, ...``) and per-device prefetch.
-3. A step: every replica computes the summed loss and gradients of its slice
-   by hand (``mlp.py``); the gradients and the example count go through ONE
-   fused ``all_reduce``; the optimizer (SGD with momentum, or Adam) updates the
-   mirrored variables in ``merge_call`` through ``extended.update``. Loss and
-   accuracy accumulate in sync-on-read variables, read in cross-replica
-   context at the end of the epoch; held-out accuracy is measured the same way.
-4. The chief checkpoints every ``--checkpoint-every`` epochs
-   (``mpistrat.checkpoint``); ``--resume`` continues from the newest one.
-
-With the same ``--seed`` and ``--global-batch-size``, every layout of ranks and
-replicas (1 x 1, 1 x 4, 2 x 2, 4 x 1, ...) trains the same weights up to
-floating-point summation order, and a resumed run the same as an uninterrupted
-one: ``digits.py`` explains the data layout that makes FILE sharding exact.
+several replicas (logical CPUs, or ``/gpu:K``). :func:`main` walks through a run.
 """
 
 from __future__ import annotations
@@ -248,7 +226,30 @@ def _progress_bar(show: bool, total: int, desc: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train; rank 0 prints one line per epoch. Returns the exit code."""
+    """Train; rank 0 prints one line per epoch. Returns the exit code.
+
+    What happens:
+
+    1. The digits data is written once into ``--data-dir`` as sharded ``.npy``
+       files (``digits.py``; safe when many ranks and jobs share the directory).
+    2. Each epoch a pipeline ``list_files -> interleave(NpyDataset(f).shuffle)
+       -> batch(global batch) -> map(split x/y)`` goes through
+       ``strategy.experimental_distribute_dataset`` with FILE auto-sharding (rank
+       ``w`` reads shards ``w, w+W, ...``) and per-device prefetch.
+    3. A step: every replica computes the summed loss and gradients of its slice
+       by hand (``mlp.py``); the gradients and the example count go through ONE
+       fused ``all_reduce``; the optimizer (SGD with momentum, or Adam) updates the
+       mirrored variables in ``merge_call`` through ``extended.update``. Loss and
+       accuracy accumulate in sync-on-read variables, read in cross-replica
+       context at the end of the epoch; held-out accuracy is measured the same way.
+    4. The chief checkpoints every ``--checkpoint-every`` epochs
+       (``mpistrat.checkpoint``); ``--resume`` continues from the newest one.
+
+    With the same ``--seed`` and ``--global-batch-size``, every layout of ranks and
+    replicas (1 x 1, 1 x 4, 2 x 2, 4 x 1, ...) trains the same weights up to
+    floating-point summation order, and a resumed run the same as an uninterrupted
+    one: ``digits.train_dataset`` explains the data layout that makes FILE sharding exact.
+    """
     args = parse_args(argv)
     t_start = time.perf_counter()
     strategy = _make_strategy(args)

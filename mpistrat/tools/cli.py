@@ -1,4 +1,4 @@
-"""The `python -m mpistrat COMMAND` dispatcher: a table of subcommands, each a module with `add_arguments` and `run`.
+"""``python -m mpistrat COMMAND``: dispatch to the subcommand named in the ``COMMANDS`` table.
 
 A command is a module with ``add_arguments(parser)`` and ``run(args) -> int``,
 listed in ``COMMANDS``; only the chosen command's module is imported.

@@ -1,0 +1,1 @@
+"""Training on top of the strategies: checkpoints and optimizers."""

@@ -1,23 +1,8 @@
-"""Checkpoints of variables: the chief writes atomically, every rank restores.
+"""Checkpoints of variables as ``tf.train`` has them: the chief writes atomically, every rank restores.
 
-A checkpoint is one ``.npz`` file (a zip of ``.npy`` members, each with a
-CRC-32) holding every variable's value and a JSON manifest (names, shapes,
-dtypes, user metadata). Saving is collective: every rank reads the values
-(sync-on-read variables aggregate across ranks), the chief alone writes a
-temporary file in the target directory, fsyncs it, renames it into place and
-fsyncs the directory, so a crash at any point leaves either the old set of
-checkpoints or the new one, never a partial file under a checkpoint's name.
-Restoring is collective too: the chief reads the file with
-``np.load(allow_pickle=False)`` (no code execution), checks it against the
-manifest, broadcasts the manifest (JSON bytes) and the arrays as raw buffers
-(nothing is pickled, on disk or between ranks), and every rank verifies
-names, shapes and dtypes against its live variables before assigning. Any
-problem raises the same :class:`CheckpointError`, naming the file, on every
-rank.
-
-API after ``tf.train``: ``Checkpoint(**objects)`` with ``write``/``restore``,
-``CheckpointManager(checkpoint, directory, max_to_keep)`` with ``save``,
-``checkpoints`` and ``latest_checkpoint``, and ``latest_checkpoint(directory)``.
+``Checkpoint(**objects)`` with ``write``/``restore``, ``CheckpointManager``
+(numbered checkpoints, ``max_to_keep``) and ``latest_checkpoint(directory)``;
+a checkpoint is one ``.npz`` file with a JSON manifest, never pickled.
 """
 
 from __future__ import annotations
@@ -98,6 +83,21 @@ class Checkpoint:
     names a variable, a list or dict of variables, or an object with a
     ``variables`` attribute (``MLP``, optimizers). Variables are saved under
     ``"<keyword>/<variable name>"``.
+
+    A checkpoint is one ``.npz`` file (a zip of ``.npy`` members, each with a
+    CRC-32) holding every variable's value and a JSON manifest (names,
+    shapes, dtypes, user metadata). Saving is collective: every rank reads
+    the values (sync-on-read variables aggregate across ranks), the chief
+    alone writes a temporary file in the target directory, fsyncs it, renames
+    it into place and fsyncs the directory, so a crash at any point leaves
+    either the old set of checkpoints or the new one, never a partial file
+    under a checkpoint's name. Restoring is collective too: the chief reads
+    the file with ``np.load(allow_pickle=False)`` (no code execution), checks
+    it against the manifest, broadcasts the manifest (JSON bytes) and the
+    arrays as raw buffers (nothing is pickled, on disk or between ranks), and
+    every rank verifies names, shapes and dtypes against its live variables
+    before assigning. Any problem raises the same :class:`CheckpointError`,
+    naming the file, on every rank.
     """
 
     def __init__(self, **objects: Any):

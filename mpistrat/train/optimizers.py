@@ -1,15 +1,4 @@
-"""Optimizers that update (mirrored) variables the tf.distribute way.
-
-``apply_gradients`` may be called inside ``strategy.run`` (replica context)
-or in cross-replica context. In replica context it optionally sums the
-gradients over all replicas with one fused ``all_reduce`` and then enters
-``merge_call``; the update itself runs in cross-replica context through
-``strategy.extended.update``, once per local copy of each variable, on that
-copy's device and array module (NumPy or CuPy). Slot variables (momentum,
-Adam's moments) and the step counter ``iterations`` are variables created
-under the variables' strategy scope, so they are mirrored like the weights
-and can be checkpointed (``optimizer.variables``).
-"""
+"""Optimizers (SGD, Adam) that update (mirrored) variables the tf.distribute way."""
 
 from __future__ import annotations
 
@@ -41,7 +30,18 @@ def _strategy_of(var: Any) -> Any:
 
 
 class Optimizer:
-    """Base class: slot bookkeeping, gradient aggregation and the distributed apply."""
+    """Base class: slot bookkeeping, gradient aggregation and the distributed apply.
+
+    ``apply_gradients`` may be called inside ``strategy.run`` (replica
+    context) or in cross-replica context. In replica context it optionally
+    sums the gradients over all replicas with one fused ``all_reduce`` and
+    then enters ``merge_call``; the update itself runs in cross-replica
+    context through ``strategy.extended.update``, once per local copy of each
+    variable, on that copy's device and array module (NumPy or CuPy). Slot
+    variables (momentum, Adam's moments) and the step counter ``iterations``
+    are variables created under the variables' strategy scope, so they are
+    mirrored like the weights and can be checkpointed (``optimizer.variables``).
+    """
 
     _slot_names: tuple[str, ...] = ()
 
