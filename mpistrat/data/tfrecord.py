@@ -205,5 +205,5 @@ class TFRecordWriter:
     def __enter__(self) -> "TFRecordWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
