@@ -3,10 +3,10 @@
     mpiexec -bind-to core -n 4 python benchmarks/agreement_transport.py [--iters 200]
 
 Every ``all_reduce`` inside ``strategy.run`` first checks that all ranks agree
-(comm/safety.py). On one node that check goes through shared memory
-(comm/shm_agreement.py), and a repeated call to the shared-memory backend
-lets the check stand for the window's first synchronisation (the fold,
-allreduce_steps.folds_sync). This prints, interleaved in one run, the time of
+(comm/agreement/). On one node that check goes through shared memory
+(comm/agreement/shm_allgather.py), and a repeated call to the shared-memory
+transport lets the check stand for the window's first synchronisation (the
+fold: ``Transport.folds_agreement``, comm/agreement/call.py). This prints, interleaved in one run, the time of
 one ``all_reduce`` inside ``strategy.run`` for a list of 100 x 4 KiB and for
 one 1 MiB array, with:
 
@@ -32,7 +32,8 @@ from mpi4py import MPI
 
 import mpistrat as ms
 from allreduce import paired_ratio, samples
-from mpistrat.comm.agreement.shm_allgather import AGREEMENT_ENV
+
+AGREEMENT_ENV = "MPISTRAT_AGREEMENT"
 
 
 def strategy_with_check(transport: str) -> ms.MultiWorkerMirroredStrategy:
@@ -50,14 +51,14 @@ def strategy_with_check(transport: str) -> ms.MultiWorkerMirroredStrategy:
 
 def step(strategy: ms.MultiWorkerMirroredStrategy, data: Any, fold: bool = True) -> Callable[[], Any]:
     """``strategy.run`` of one ``all_reduce("sum", data)``; ``fold=False`` turns the fold off for it."""
-    backend = strategy.extended._communicator._host_backends[0]
+    transport = strategy.extended._communicator.transports[0]
     get = ms.get_replica_context
 
     def reduce() -> Any:
         return get().all_reduce("sum", data)
 
     def run() -> Any:
-        backend.folds_sync = fold
+        transport.folds_agreement = fold
         return strategy.run(reduce)
 
     return run
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{label:>12}: mpi {medians[0]:7.1f} | shm {medians[1]:7.1f} ({medians[0] / medians[1]:.2f}x, paired "
             f"{paired_ratio(times, 1):.2f}x) | shm+fold {medians[2]:7.1f} ({medians[0] / medians[2]:.2f}x, paired "
             f"{paired_ratio(times, 2):.2f}x) | raw mpi4py {medians[3]:7.1f}")
-    by_shm.extended._communicator._host_backends[0].folds_sync = True
+    del by_shm.extended._communicator.transports[0].folds_agreement  # the class's answer again
     return 0
 
 

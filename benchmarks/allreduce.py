@@ -17,8 +17,8 @@ and busbw (nccl-tests convention: algbw = bytes / time, busbw = algbw *
 * ``inplace``: the same with ``inplace=True``;
 * ``window``: the node shared-memory window path on data already packed
   into the window (as fusion packs a bucket), forced on at every size; the
-  ``auto`` column is the path the calibrated size threshold picks (window or
-  raw MPI) and its ratio.
+  ``auto`` column is the path the size threshold picks (window or raw MPI)
+  and its ratio.
 
 Then 100 arrays of 4 KiB: 100 raw calls against one fused ``all_reduce`` of
 the list inside ``strategy.run`` and one fused ``RankCommunicator`` call;
@@ -49,9 +49,9 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat as ms
-from mpistrat.comm.communicator import RankCommunicator
-from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.transport.shm.allreduce import AUTO_CHUNK_BYTES, ShmAllreduceBackend
+from mpistrat.comm import CommunicationOptions, RankCommunicator
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
+from mpistrat.comm.transport.shm.calibration import AUTO_CHUNK_BYTES
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Context:
     world: MPI.Comm
     rc: RankCommunicator  # the strategy's communicator
     strategy: ms.MultiWorkerMirroredStrategy
-    window: ShmAllreduceBackend | None  # forced on at every size; None when not measured
+    window: ShmTransport | None  # forced on at every size; None when not measured
 
 
 def raw_allreduce(ctx: Context, buf: np.ndarray) -> Callable[[], None]:
@@ -198,17 +198,17 @@ def busbw(nbytes: int, seconds: float, n: int) -> tuple[float, float]:
     return alg, alg * 2 * (n - 1) / n
 
 
-def describe_backends(rc: RankCommunicator) -> list[str]:
+def describe_transports(rc: RankCommunicator) -> list[str]:
     return [b.name + (f"(min_bytes={b.min_bytes}, chunk_bytes={'auto' if b.chunk_bytes is None else b.chunk_bytes}, "
                       f"sync={b.sync_kind}, nodes={b.layout.num_nodes})"
-                      if isinstance(b, ShmAllreduceBackend) else "")
-            for b in rc._host_backends]
+                      if isinstance(b, ShmTransport) else "")
+            for b in rc.transports]
 
 
 def size_table(ctx: Context, names: list[str], args: argparse.Namespace, say: Callable[..., None]) -> None:
     """One row per size: time, algbw, busbw of each column and its ratio to raw."""
     world, n = ctx.world, ctx.world.Get_size()
-    shm = next((b for b in ctx.rc._host_backends if isinstance(b, ShmAllreduceBackend)), None)
+    shm = next((b for b in ctx.rc.transports if isinstance(b, ShmTransport)), None)
     auto = "window" in names
     header = f"{'size':>9} {'iters':>5}"
     units = f"{'':>9} {'':>5}"
@@ -301,15 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     rc = strategy.extended._communicator
     window = None
     if "window" in names:
-        window = ShmAllreduceBackend(world, min_bytes=0, max_bytes=max(parse_size(args.max_size), 1 << 20))
+        window = ShmTransport(world, min_bytes=0, max_bytes=max(parse_size(args.max_size), 1 << 20))
     ctx = Context(world, rc, strategy, window)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# mpistrat all-reduce benchmark: {n} ranks, float32, {MPI.Get_library_version().splitlines()[0]}")
-    say(f"# strategy's RankCommunicator backends: {describe_backends(rc)}; implementation={args.implementation}")
+    say(f"# strategy's RankCommunicator transports: {describe_transports(rc)}; implementation={args.implementation}")
     say("# time = median over iterations of the slowest rank; busbw = algbw * 2(n-1)/n; ratio = busbw / raw busbw;"
         " pair = median over iterations of raw time / this time, measured back to back")
     size_table(ctx, names, args, say)
-    shm = next((b for b in rc._host_backends if isinstance(b, ShmAllreduceBackend)), None)
+    shm = next((b for b in rc.transports if isinstance(b, ShmTransport)), None)
     if shm is not None and shm.chunk_calibration:
         nbytes, one_pass, chunked = shm.chunk_calibration[0]
         say(f"# automatic chunks: {human(nbytes)} in one pass {one_pass * 1e3:.2f} ms, in "

@@ -9,7 +9,7 @@ Usage (keep the venv's ``mpiexec`` first on PATH)::
 
 For float32 buckets of 4 KiB to 64 MiB it times, per iteration, one raw
 ``Allreduce(IN_PLACE)`` on a private buffer and one ``allreduce_packed`` of
-the ``ShmAllreduceBackend`` on data already packed into the window (as fusion
+the ``ShmTransport`` on data already packed into the window (as fusion
 packs it); the data is copied in before each timed call, outside the timing,
 for both. A time is the median over iterations of the slowest rank. busbw
 follows nccl-tests: ``algbw * 2 (n-1) / n`` with ``algbw = bytes / time``.
@@ -17,10 +17,10 @@ follows nccl-tests: ``algbw * 2 (n-1) / n`` with ``algbw = bytes / time``.
 ratio is what a caller gets. "exact" checks the window result against the raw
 result bit for bit on integer-valued float32 data (order-independent sums).
 
-Knobs (see ``mpistrat/comm/shm_allreduce.py``): ``MPISTRAT_SHM_MIN_BYTES``
-(default: measured at start-up), ``MPISTRAT_SHM_MAX_BYTES`` (64M),
-``MPISTRAT_SHM_BLOCK_BYTES`` (256K), ``MPISTRAT_SHM_SYNC``
-(barrier|counter|auto), ``MPISTRAT_PRETEND_NODES``. For the plain MPI path
+Knobs (see ``mpistrat/comm/transport/shm/allreduce.py``): ``MPISTRAT_SHM_MIN_BYTES``
+(default: 16K, 64K where ranks outnumber cores), ``MPISTRAT_SHM_MAX_BYTES`` (64M),
+``MPISTRAT_SHM_BLOCK_BYTES`` (an eighth of L2), ``--sync`` (barrier|counter),
+``MPISTRAT_PRETEND_NODES``. For the plain MPI path
 above 32 MiB set ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296``:
 without it glibc maps, faults and unmaps MPICH's message-sized scratch buffer
 on every call.
@@ -77,7 +77,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend, parse_bytes
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
+from mpistrat.config import parse_bytes
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -97,14 +98,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=None, help="comma-separated byte counts (K/M suffixes), default 4K..64M")
     p.add_argument("--iters-scale", type=float, default=1.0, help="scale the iteration counts")
-    p.add_argument("--sync", default=None, help="barrier | counter | auto (default: MPISTRAT_SHM_SYNC or auto)")
+    p.add_argument("--sync", default=None, help="barrier | counter (default: counter)")
     p.add_argument("--pretend-nodes", type=int, default=None)
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     n = comm.size
     sizes = [parse_bytes(s, "--sizes") for s in args.sizes.split(",")] if args.sizes else SIZES
     t0 = time.perf_counter()
-    backend = ShmAllreduceBackend(comm, pretend_nodes=args.pretend_nodes, sync=args.sync, max_bytes=max(sizes))
+    backend = ShmTransport(comm, pretend_nodes=args.pretend_nodes, sync=args.sync, max_bytes=max(sizes))
     setup = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     lay = backend.layout
     if comm.rank == 0:
@@ -134,10 +135,10 @@ def main() -> None:
             buf[:] = src
             comm.Barrier()
             c = time.perf_counter()
-            pieces = backend.allreduce_packed(count, np.float32, "sum")
+            result = backend.allreduce_packed(count, np.float32, "sum")
             d = time.perf_counter()
             if it == 0:
-                exact = all(np.array_equal(piece, private[s : s + piece.size]) for s, piece in pieces)
+                exact = np.array_equal(result, private)
                 continue  # warm-up
             raw_t.append(b - a)
             shm_t.append(d - c)
@@ -153,7 +154,7 @@ def main() -> None:
                 f"{raw / shm:>7.2f} {'shm' if use else 'mpi':>4} {raw / auto:>8.2f} {'yes' if exact else 'NO':>5}",
                 flush=True,
             )
-        del pieces, buf
+        del result, buf
     backend.close()
 
 

@@ -1,4 +1,4 @@
-"""Device strings, array backends and placement.
+"""Devices: their names, the array module of each, and where an array lives.
 
 A device is named as in TensorFlow: ``"/cpu:0"``, ``"/gpu:1"``, ``"GPU:0"``,
 ``"/device:CPU:0"`` or fully qualified
@@ -31,6 +31,9 @@ __all__ = [
     "cupy_or_none",
     "num_gpus",
     "host_device",
+    "is_cupy_array",
+    "is_device_buffer",
+    "synchronize_producer",
 ]
 
 _DEVICE_TYPES = {"CPU": "CPU", "GPU": "GPU"}
@@ -180,9 +183,34 @@ def array_module(device: "str | DeviceSpec"):
     return np
 
 
-def _is_cupy_array(x: Any) -> bool:
+def is_cupy_array(x: Any) -> bool:
+    """Whether ``x`` is a CuPy ndarray (without importing CuPy)."""
     kind = type(x)
-    return kind is not np.ndarray and kind.__module__.startswith("cupy") and hasattr(x, "device")
+    return kind is not np.ndarray and kind.__module__.startswith("cupy") and hasattr(x, "__cuda_array_interface__")
+
+
+def is_device_buffer(x: Any) -> bool:
+    """Whether ``x`` exposes ``__cuda_array_interface__`` (device memory: CuPy arrays and others)."""
+    return not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__")
+
+
+def synchronize_producer(x: Any) -> None:
+    """Wait until the work producing the device buffer ``x`` on its stream has finished.
+
+    CuPy arrays: the current stream is synchronised. Other producers: the
+    ``stream`` of their ``__cuda_array_interface__`` (version 3), if given.
+    """
+    if is_cupy_array(x):
+        import cupy  # noqa: PLC0415
+
+        cupy.cuda.get_current_stream().synchronize()
+        return
+    stream = x.__cuda_array_interface__.get("stream")
+    if stream is None or stream == 0:
+        return  # no stream given / legacy default stream semantics
+    import cupy  # noqa: PLC0415
+
+    cupy.cuda.ExternalStream(int(stream)).synchronize()
 
 
 _HOST_CANONICAL = DeviceSpec().to_string()
@@ -191,7 +219,7 @@ _NO_SCOPE = contextlib.nullcontext()  # stateless: one object serves every CPU s
 
 def device_of(x: Any) -> str:
     """The canonical device an array lives on (NumPy arrays and scalars: CPU:0)."""
-    if _is_cupy_array(x):
+    if is_cupy_array(x):
         return DeviceSpec(device_type="GPU", device_index=int(x.device.id)).to_string()
     return _HOST_CANONICAL
 
@@ -216,9 +244,9 @@ def to_device(x: Any, device: "str | DeviceSpec", *, copy: bool = False) -> Any:
     if spec.device_type == "GPU":
         cupy = _require_cupy(str(device))
         with cupy.cuda.Device(spec.device_index):
-            if copy or not (_is_cupy_array(x) and x.device.id == spec.device_index):
+            if copy or not (is_cupy_array(x) and x.device.id == spec.device_index):
                 return cupy.array(x, copy=True)
             return x
-    if _is_cupy_array(x):
+    if is_cupy_array(x):
         return x.get()
     return np.array(x, copy=True) if copy else np.asarray(x)

@@ -1,7 +1,7 @@
 """``ms.experimental``: CommunicationOptions and CommunicationImplementation (as tf.distribute.experimental)."""
 
-from mpistrat.comm.options import CommunicationImplementation, CommunicationOptions
-from mpistrat.distribute.values import ReduceOp
+from mpistrat.comm import CommunicationImplementation, CommunicationOptions  # loads no MPI
+from mpistrat.ops import ReduceOp
 
 CollectiveCommunication = CommunicationImplementation  # TF's older name
 

@@ -30,9 +30,10 @@ import threading
 import time
 from typing import Any, Iterator
 
+from mpistrat import config
+
 __all__ = ["start", "stop", "enabled", "span", "record", "now_us", "merge_files"]
 
-_ENV = "MPISTRAT_TIMELINE"
 _lock = threading.Lock()
 _events: list[dict] | None = None
 _path: str | None = None
@@ -159,7 +160,7 @@ def merge_files(path: str, rank_files: list[str], complete: bool = True) -> dict
 
 
 def _start_from_env() -> None:
-    path = os.environ.get(_ENV, "").strip()
+    path = config.get("timeline")
     if path and not enabled():
         start(path)
         atexit.register(stop)

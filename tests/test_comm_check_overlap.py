@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm.transport import table as backends
-from mpistrat.comm import allreduce_steps
-from mpistrat.comm.communicator import RankCommunicator
-from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.agreement.guard import CollectiveMismatchError, CollectiveTimeoutError
-from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend
+from mpistrat.comm import CollectiveMismatchError, CollectiveTimeoutError, CommunicationOptions, RankCommunicator, Transport
+from mpistrat.comm import fusion
+from mpistrat.comm.agreement import call
+from mpistrat.comm.transport import table
+from mpistrat.comm.transport.mpi import MpiTransport
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
+from mpistrat.ops import mpi_op
 
 # name -> the arrays of one call: one array on the reduce-scatter path (above
 # the one-synchronisation size), one small array, a fused list of ten.
@@ -33,7 +34,7 @@ CALLS = {
 @pytest.fixture
 def shm_rc(comm):
     c = RankCommunicator(comm, CommunicationOptions(implementation="SHM"))
-    assert isinstance(c._host_backends[0], ShmAllreduceBackend)
+    assert isinstance(c.transports[0], ShmTransport)
     yield c
     c.close()
 
@@ -41,7 +42,7 @@ def shm_rc(comm):
 def _record_order(rc: RankCommunicator, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Events ``"staged"`` (data packed into a backend buffer) and ``"checked"`` (check finished)."""
     events: list[str] = []
-    guard, backend = rc._guard, rc._host_backends[0]
+    guard, backend = rc._guard, rc.transports[0]
     finish, pack_buffer = guard.finish, backend.pack_buffer
 
     def recorded_finish():
@@ -59,13 +60,13 @@ def _record_order(rc: RankCommunicator, monkeypatch: pytest.MonkeyPatch) -> list
 
 def _pack_slowly(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Make this rank's packing of a bucket (staging, between start and finish of the check) slow."""
-    pack = allreduce_steps.pack
+    pack = fusion.pack
 
     def pack_slowly(*args, **kwargs):
         time.sleep(seconds)
         return pack(*args, **kwargs)
 
-    monkeypatch.setattr(allreduce_steps, "pack", pack_slowly)
+    monkeypatch.setattr(fusion, "pack", pack_slowly)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -113,7 +114,7 @@ def test_an_error_while_staging_finishes_the_check_on_every_rank(shm_rc, monkeyp
     def failing_pack(*args, **kwargs):
         raise RuntimeError("staging failed")
 
-    monkeypatch.setattr(allreduce_steps, "pack", failing_pack)
+    monkeypatch.setattr(fusion, "pack", failing_pack)
     with pytest.raises(RuntimeError, match="staging failed"):
         rc.allreduce(arrays, "sum")
     assert not rc._guard.started, "the check must not stay open"
@@ -142,7 +143,7 @@ def test_a_late_rank_on_a_repeated_call_times_out_the_waiting_ranks(shm_rc):
 @pytest.mark.mpi(min_size=2)
 def test_a_repeated_call_above_the_overlap_limit_checks_before_staging(shm_rc, monkeypatch):
     events = _record_order(shm_rc, monkeypatch)
-    count = (allreduce_steps.OVERLAP_MAX_BYTES + (1 << 20)) // 4  # float32, above the limit
+    count = (call.OVERLAP_MAX_BYTES + (1 << 20)) // 4  # float32, above the limit
     for _ in range(2):
         out = shm_rc.allreduce([np.full(count, 1.0, np.float32)], "sum")
         assert np.all(out[0] == shm_rc.size)
@@ -170,57 +171,64 @@ def test_a_rank_past_its_deadline_after_staging_tells_the_late_peer(shm_rc, monk
     assert rc.allreduce(arrays, "sum", opts)[0][0] == rc.size * (rc.size + 1) / 2
 
 
-class _ThreeArgumentBackend(backends.MpiAllreduceBackend):
-    """A backend written to the older protocol: ``allreduce_array(src, dst, op)``."""
-
-    name = "three-argument"
-
-    def allreduce_array(self, src, dst, op):
-        self.comm.Allreduce(src, dst, backends.MPI_OPS[op])
-
-
-class _ForgetfulBackend(backends.MpiAllreduceBackend):
-    """Takes ``ready`` and never calls it (a bug the communicator must catch)."""
+class _ForgetfulTransport(MpiTransport):
+    """Never tells its agreement hook that it staged (a bug the communicator must catch)."""
 
     name = "forgetful"
 
-    def allreduce_array(self, src, dst, op, ready=None):
-        self.comm.Allreduce(src, dst, backends.MPI_OPS[op])
+    def allreduce_array(self, src, dst, op, hook):
+        self.comm.Allreduce(src, dst, mpi_op(op))
+
+
+class _NotATransport:
+    """Has the methods but does not subclass the contract."""
+
+    name = "impostor"
+
+    def __init__(self, ctx):
+        pass
 
 
 @pytest.fixture
 def registered(monkeypatch):
-    def register(cls):
-        monkeypatch.setattr(backends, "FACTORIES", dict(backends.FACTORIES))
-        monkeypatch.setattr(backends, "PREFERENCES", dict(backends.PREFERENCES))
-        backends.register_backend(cls.name, lambda comm, options: cls(comm), ("AUTO",))
+    def register(name, factory):
+        monkeypatch.setattr(table, "FACTORIES", dict(table.FACTORIES))
+        monkeypatch.setattr(table, "PREFERENCES", dict(table.PREFERENCES))
+        table.register_transport(name, factory, ("AUTO",))
 
     return register
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_backend_without_ready_works_and_never_overlaps(comm, registered):
-    registered(_ThreeArgumentBackend)
-    rc = RankCommunicator(comm)
-    try:
-        assert type(rc._host_backends[0]) is _ThreeArgumentBackend
-        assert not backends.stages_locally(rc._host_backends[0]) and backends.stages_locally(rc._host_backends[-1])
-        for _ in range(3):
-            assert rc.allreduce([np.full(1000, rc.rank + 1.0)], "sum")[0][0] == rc.size * (rc.size + 1) / 2
-    finally:
-        rc.close()
+def test_a_factory_that_returns_no_transport_is_refused(comm, registered):
+    registered("impostor", _NotATransport)
+    with pytest.raises(TypeError, match="transport factory 'impostor' returned _NotATransport, not a Transport"):
+        RankCommunicator(comm)
+
+
+def test_a_transport_missing_a_verb_cannot_be_made():
+    class Half(Transport):  # only enabled() given
+        name = "half"
+
+        def enabled(self, nbytes, dtype, op):
+            return True
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_backend_that_never_calls_ready_is_caught_on_every_rank(comm, registered):
-    registered(_ForgetfulBackend)
+def test_a_transport_that_never_calls_its_hook_is_caught_on_every_rank(comm, registered):
+    registered("forgetful", lambda ctx: _ForgetfulTransport(ctx.comm))
     rc = RankCommunicator(comm)
     try:
-        assert backends.stages_locally(rc._host_backends[0])
+        assert type(rc.transports[0]) is _ForgetfulTransport
         rc.allreduce([np.ones(1000)], "sum")  # first call: checked before, as always
-        with pytest.raises(RuntimeError, match="_ForgetfulBackend took `ready` and never called it"):
+        with pytest.raises(RuntimeError, match="_ForgetfulTransport never called its agreement hook"):
             rc.allreduce([np.ones(1000)], "sum")
         assert not rc._guard.started
+        # Every rank raised, and the communicator is still usable.
+        assert rc.allreduce([np.ones(3)], "max")[0].tolist() == [1, 1, 1]
     finally:
         rc.close()
 

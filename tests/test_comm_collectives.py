@@ -7,10 +7,11 @@ nodes.
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from backend_variants import backend_variant  # noqa: F401  (autouse)
 
-from mpistrat.comm.communicator import RankCommunicator, normalize_op
-from mpistrat.comm.options import CommunicationOptions
+from mpistrat.comm import CommunicationOptions, RankCommunicator, Transport
+from mpistrat.comm.communicator import normalize_op
 
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (0,), (1000,), (33, 65)]
 DTYPES = ["float32", "float64", "int32", "int64", "uint8", "int16", "complex64"]
@@ -45,12 +46,12 @@ def expected(size, shape, dtype, op, salt=0):
 
 @pytest.mark.mpi(min_size=2)
 def test_backend_variant_in_effect(rc, backend_variant):  # noqa: F811
-    names = [b.name for b in rc._host_backends]
+    names = [b.name for b in rc.transports]
     assert names[-1] == "mpi"
     if backend_variant == "shm-off":
         assert names == ["mpi"]
     elif backend_variant != "auto":
-        shm = rc._host_backends[0]
+        shm = rc.transports[0]
         assert shm.name == "shm" and shm.min_bytes == 0
         assert shm.layout.num_nodes == (2 if backend_variant == "pretend-2-nodes" else 1)
         assert shm.layout.pretend == (backend_variant == "pretend-2-nodes")
@@ -186,7 +187,7 @@ def test_shm_and_mpi_implementations_agree(comm):
     results = []
     for impl in ("MPI", "SHM", "AUTO"):
         with RankCommunicator(comm, CommunicationOptions(implementation=impl)) as c:
-            names = [b.name for b in c._host_backends]
+            names = [b.name for b in c.transports]
             assert names[-1] == "mpi" and (impl != "MPI" or names == ["mpi"])
             for _ in range(3):  # buckets are reused across calls
                 results.append(c.allreduce(x, "sum"))
@@ -197,7 +198,7 @@ def test_shm_and_mpi_implementations_agree(comm):
 
 
 def test_normalize_op():
-    from mpistrat.distribute.values import ReduceOp
+    from mpistrat.ops import ReduceOp
 
     assert normalize_op("SUM") == "sum" and normalize_op(ReduceOp.MAX) == "max"
     with pytest.raises(ValueError, match="divide"):
@@ -206,46 +207,94 @@ def test_normalize_op():
         normalize_op("prod")
 
 
-class PickleBackend:
-    """A deliberately different backend (pickled lower-case allreduce) to test the selection table."""
+class DupAllreduceTransport(Transport):
+    """A small extra transport: ``Allreduce`` on a duplicate of the communicator, sums only.
 
-    name = "pickle"
+    It is the whole contract a new transport implements: a subclass of ``Transport`` and one
+    ``register_transport`` row; nothing else in the library changes.
+    """
 
-    def __init__(self, comm, options):
-        self.comm, self.buf, self.calls = comm, {}, 0
+    name = "dup-allreduce"
+    calls = 0  # counted over every instance: the strategy's communicator makes its own
+
+    def __init__(self, ctx):
+        self.comm = ctx.comm.Dup()
+        self.buf = {}
 
     def enabled(self, nbytes, dtype, op):
         return op == "sum"
 
     def pack_buffer(self, count, dtype):
-        self.buf[np.dtype(dtype)] = np.empty(count, dtype)
-        return self.buf[np.dtype(dtype)]
+        buf = self.buf.get(np.dtype(dtype))
+        if buf is None or buf.size < count:
+            buf = self.buf[np.dtype(dtype)] = np.empty(count, dtype)
+        return buf[:count]
 
-    def allreduce_packed(self, count, dtype, op):
-        self.calls += 1
-        return [(0, self.comm.allreduce(self.buf[np.dtype(dtype)]))]
+    def allreduce_packed(self, count, dtype, op, hook, out=None):
+        hook.staged()
+        DupAllreduceTransport.calls += 1
+        buf = self.buf[np.dtype(dtype)][:count]
+        if out is None:
+            self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+            return buf
+        self.comm.Allreduce(buf, out, MPI.SUM)
+        return out
+
+    def allreduce_array(self, src, dst, op, hook):
+        hook.staged()
+        DupAllreduceTransport.calls += 1
+        self.comm.Allreduce(src, dst, MPI.SUM)
 
     def close(self):
         self.buf.clear()
+        self.comm.Free()
+
+
+@pytest.fixture
+def dup_transport(monkeypatch):
+    """The table with ``DupAllreduceTransport`` first for RING (restored afterwards)."""
+    from mpistrat.comm import register_transport
+    from mpistrat.comm.transport import table
+
+    monkeypatch.setattr(table, "FACTORIES", dict(table.FACTORIES))
+    monkeypatch.setattr(table, "PREFERENCES", dict(table.PREFERENCES))
+    register_transport("dup-allreduce", DupAllreduceTransport, implementations=("RING",))
+    monkeypatch.setattr(DupAllreduceTransport, "calls", 0)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_backend_table_is_extensible(comm):
-    from mpistrat.comm.transport import table as backends
+def test_a_registered_transport_serves_the_communicator(comm, dup_transport):
+    with RankCommunicator(comm, CommunicationOptions(implementation="RING")) as c:
+        assert [t.name for t in c.transports] == ["dup-allreduce", "mpi"]
+        out = c.allreduce([np.ones(3), np.ones(2) * comm.rank], "sum")  # one packed bucket
+        assert DupAllreduceTransport.calls == 1
+        np.testing.assert_array_equal(out[1], np.full(2, comm.size * (comm.size - 1) / 2))
+        out = c.allreduce([np.full(5, comm.rank + 1.0)], "sum")  # one array, twice: check overlapped
+        out = c.allreduce([np.full(5, comm.rank + 1.0)], "sum")
+        assert DupAllreduceTransport.calls == 3 and out[0][0] == comm.size * (comm.size + 1) / 2
+        out = c.allreduce([np.ones(3), np.ones(2)], "max")  # not enabled for max: plain MPI
+        assert DupAllreduceTransport.calls == 3 and out[0].tolist() == [1, 1, 1]
+    with RankCommunicator(comm) as c:  # AUTO's row is unchanged
+        assert "dup-allreduce" not in [t.name for t in c.transports]
 
-    saved = dict(backends.FACTORIES), dict(backends.PREFERENCES)
+
+@pytest.mark.mpi(min_size=2)
+def test_the_strategy_picks_a_registered_transport(comm, dup_transport):
+    import mpistrat as ms
+
+    strategy = ms.MultiWorkerMirroredStrategy(communication_options=ms.experimental.CommunicationOptions(
+        implementation="RING"))
     try:
-        backends.register_backend("pickle", PickleBackend, implementations=("RING",))
-        with RankCommunicator(comm, CommunicationOptions(implementation="RING")) as c:
-            assert [b.name for b in c._host_backends] == ["pickle", "mpi"]
-            out = c.allreduce([np.ones(3), np.ones(2) * comm.rank], "sum")
-            assert c._host_backends[0].calls == 1
-            np.testing.assert_array_equal(out[1], np.full(2, comm.size * (comm.size - 1) / 2))
-            out = c.allreduce([np.ones(3), np.ones(2)], "max")  # not enabled for max: plain MPI
-            assert c._host_backends[0].calls == 1 and out[0].tolist() == [1, 1, 1]
+        def step(x):
+            return ms.get_replica_context().all_reduce("sum", x)
+
+        out = strategy.run(step, args=(np.full(4, comm.rank + 1.0, np.float32),))
+        assert out.tolist() == [comm.size * (comm.size + 1) / 2] * 4
+        assert DupAllreduceTransport.calls == 1
+        assert strategy.reduce("sum", np.ones(2, np.float32), axis=None).tolist() == [comm.size] * 2
+        assert DupAllreduceTransport.calls == 2
     finally:
-        backends.FACTORIES.clear(); backends.FACTORIES.update(saved[0])
-        backends.PREFERENCES.clear(); backends.PREFERENCES.update(saved[1])
+        strategy.extended._communicator.close()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -282,7 +331,7 @@ def test_dropped_communicator_is_released_once_dropped_on_every_rank(comm):
     lifetime.release_dropped(comm)  # earlier tests' leftovers
     kept = RankCommunicator(comm, CommunicationOptions(implementation="SHM"))
     assert kept.allreduce([np.ones(10), np.ones(3)], "sum")[0].tolist() == [comm.size] * 10  # a packed bucket
-    win = kept._host_backends[0]._window.win
+    win = kept.transports[0]._window.win
     dup = kept.comm
     if comm.rank == 0:
         del kept  # dropped here only: nothing collective may happen yet
@@ -307,7 +356,7 @@ def test_dropped_sub_communicator_is_released_by_a_collective_point_over_all_ran
     try:
         c = RankCommunicator(sub, CommunicationOptions(implementation="SHM"))
         assert c.allreduce([np.ones(10), np.ones(3)], "sum")[0].tolist() == [sub.size] * 10
-        window = getattr(c._host_backends[0], "_window", None)  # none on a one-rank split
+        window = getattr(c.transports[0], "_window", None)  # none on a one-rank split
         win = window.win if window is not None else None
         dup = c.comm
         sub_size = sub.size

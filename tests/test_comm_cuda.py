@@ -9,9 +9,11 @@ tests are marked ``gpu``.
 import numpy as np
 import pytest
 
+from mpistrat import devices
+from mpistrat.comm import CommunicationOptions, RankCommunicator
 from mpistrat.comm.transport import cuda
-from mpistrat.comm.communicator import RankCommunicator
-from mpistrat.comm.options import CommunicationOptions
+
+CUDA_AWARE_ENV = "MPISTRAT_CUDA_AWARE"
 
 
 class HostCudaArray:
@@ -33,29 +35,29 @@ class HostCudaArray:
 
 
 def test_mpi_cuda_support_query_and_override(monkeypatch):
-    monkeypatch.delenv(cuda.CUDA_AWARE_ENV, raising=False)
+    monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
     lib = cuda.loaded_mpi_library()
     assert lib is not None and "libmpi" in lib
     assert cuda.mpi_cuda_support() in (True, False, None)
-    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    monkeypatch.setenv(CUDA_AWARE_ENV, "1")
     assert cuda.mpi_cuda_support() is True
-    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")
+    monkeypatch.setenv(CUDA_AWARE_ENV, "0")
     assert cuda.mpi_cuda_support() is False
-    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "maybe")
-    with pytest.raises(ValueError, match="MPISTRAT_CUDA_AWARE"):
+    monkeypatch.setenv(CUDA_AWARE_ENV, "maybe")
+    with pytest.raises(ValueError, match="MPISTRAT_CUDA_AWARE must be one of 1/true/yes/on or 0/false/no/off"):
         cuda.mpi_cuda_support()
 
 
 def test_device_buffer_detection():
     h = HostCudaArray(np.zeros(3))
-    assert cuda.is_device_buffer(h) and not cuda.is_cupy_array(h)
-    assert not cuda.is_device_buffer(np.zeros(3))
-    cuda.synchronize_producer(h)  # stream None: nothing to wait for
+    assert devices.is_device_buffer(h) and not devices.is_cupy_array(h)
+    assert not devices.is_device_buffer(np.zeros(3))
+    devices.synchronize_producer(h)  # stream None: nothing to wait for
 
 
 @pytest.mark.mpi(min_size=1)
 def test_cuda_array_interface_allreduce_inplace(comm, monkeypatch):
-    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    monkeypatch.setenv(CUDA_AWARE_ENV, "1")
     with RankCommunicator(comm) as rc:
         a = np.full((4, 5), rc.rank + 1.0, np.float32)
         b = np.arange(7, dtype=np.int64) * (rc.rank + 1)
@@ -73,17 +75,15 @@ def test_cuda_array_interface_allreduce_inplace(comm, monkeypatch):
 
 @pytest.mark.mpi(min_size=1)
 def test_cuda_aware_path_synchronises_the_producer_before_mpi(comm, monkeypatch):
-    from mpistrat.comm.transport import table as backends
-
-    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    monkeypatch.setenv(CUDA_AWARE_ENV, "1")
     seen = []
-    real = backends.synchronize_producer
+    real = cuda.synchronize_producer
 
     def recording(x):  # what the buffer held when its stream was synchronised
         seen.append(x.array.copy())
         real(x)
 
-    monkeypatch.setattr(backends, "synchronize_producer", recording)
+    monkeypatch.setattr(cuda, "synchronize_producer", recording)
     with RankCommunicator(comm) as rc:
         a = np.full(5, rc.rank + 1.0)
         rc.allreduce([HostCudaArray(a)], "sum", inplace=True)
@@ -95,7 +95,7 @@ def test_cuda_aware_path_synchronises_the_producer_before_mpi(comm, monkeypatch)
 
 @pytest.mark.mpi(min_size=2)
 def test_cuda_array_interface_needs_cuda_aware_mpi(comm, monkeypatch):
-    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")
+    monkeypatch.setenv(CUDA_AWARE_ENV, "0")
     with RankCommunicator(comm) as rc:
         with pytest.raises(RuntimeError, match="not CUDA-aware"):
             rc.allreduce([HostCudaArray(np.zeros(2))], "sum", inplace=True)
@@ -110,7 +110,7 @@ def test_cuda_array_interface_needs_cuda_aware_mpi(comm, monkeypatch):
 def test_cupy_allreduce_fused_and_direct(comm, monkeypatch, aware):
     import cupy
 
-    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, aware)
+    monkeypatch.setenv(CUDA_AWARE_ENV, aware)
     with RankCommunicator(comm) as rc:
         assert rc.cuda_aware is (aware == "1")
         xs = [cupy.full((i + 1, 3), rc.rank + 1, cupy.float32) for i in range(5)] + [cupy.arange(4) * rc.rank]
@@ -142,9 +142,9 @@ def test_pinned_staging_reuses_buffers():
 @pytest.mark.mpi(min_size=2)
 def test_host_on_one_rank_device_on_another_is_a_mismatch(comm, monkeypatch):
     # Buckets are planned per kind, so kinds must agree across ranks: a clear error, not garbage.
-    from mpistrat.comm.agreement.guard import CollectiveMismatchError
+    from mpistrat.comm import CollectiveMismatchError
 
-    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    monkeypatch.setenv(CUDA_AWARE_ENV, "1")
     with RankCommunicator(comm) as rc:
         a = np.ones(4, np.float32)
         item = HostCudaArray(a) if rc.rank == 0 else a

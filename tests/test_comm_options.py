@@ -2,12 +2,7 @@
 
 import pytest
 
-from mpistrat.comm.options import (
-    DEFAULT_BYTES_PER_PACK,
-    DEFAULT_TIMEOUT_SECONDS,
-    CommunicationImplementation,
-    CommunicationOptions,
-)
+from mpistrat.comm.options import DEFAULT_BYTES_PER_PACK, CommunicationImplementation, CommunicationOptions
 
 
 def test_defaults_and_effective_values(monkeypatch):
@@ -15,7 +10,7 @@ def test_defaults_and_effective_values(monkeypatch):
     o = CommunicationOptions()
     assert (o.bytes_per_pack, o.timeout_seconds, o.implementation) == (0, None, CommunicationImplementation.AUTO)
     assert o.pack_bytes() == DEFAULT_BYTES_PER_PACK
-    assert o.timeout() == DEFAULT_TIMEOUT_SECONDS
+    assert o.timeout() == 600.0
 
 
 def test_timeout_env_fallback(monkeypatch):

@@ -8,10 +8,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpistrat.comm import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicationOptions,
+    CommunicatorBrokenError,
+    RankCommunicator,
+)
 from mpistrat.comm.runtime import lifetime
-from mpistrat.comm.communicator import RankCommunicator
-from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.agreement.guard import CollectiveMismatchError, CollectiveTimeoutError, CommunicatorBrokenError
 from mpistrat.comm.agreement.signatures import describe_call, fingerprint, format_mismatch
 
 
@@ -169,15 +173,16 @@ def test_close_while_a_peer_is_in_a_collective(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_arrival_within_grace_period_completes_everywhere(rc, monkeypatch):
+def test_arrival_within_grace_period_completes_everywhere(comm, monkeypatch):
     # Rank 1 arrives after the others' timeout but within their grace period:
     # they see the collective complete, send RESOLVED, and everyone goes on.
-    monkeypatch.setenv("MPISTRAT_TIMEOUT_GRACE_SECONDS", "2.5")
-    if rc.rank == 1:
-        time.sleep(1.5)
-    out = rc.allreduce([np.full(3, rc.rank + 1.0)], "sum", CommunicationOptions(timeout_seconds=1.0))
-    np.testing.assert_array_equal(out[0], np.full(3, rc.size * (rc.size + 1) / 2))
-    assert rc.step_agreement(rc.rank).tolist() == list(range(rc.size))  # still usable
+    monkeypatch.setenv("MPISTRAT_TIMEOUT_GRACE_SECONDS", "2.5")  # read when the communicator is made
+    with RankCommunicator(comm) as rc:
+        if rc.rank == 1:
+            time.sleep(1.5)
+        out = rc.allreduce([np.full(3, rc.rank + 1.0)], "sum", CommunicationOptions(timeout_seconds=1.0))
+        np.testing.assert_array_equal(out[0], np.full(3, rc.size * (rc.size + 1) / 2))
+        assert rc.step_agreement(rc.rank).tolist() == list(range(rc.size))  # still usable
 
 
 @pytest.mark.mpi(min_size=3)

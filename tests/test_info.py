@@ -35,9 +35,15 @@ def _mpiexec():
 
 
 def _rows(stdout):
+    """The rank table's rows (it ends at the first blank line)."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("rank "))
-    return [line.split() for line in lines[start + 1:] if line.strip()]
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
 
 
 def test_info_single_process():
@@ -64,6 +70,24 @@ def test_info_mpiexec_four_rows():
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]
     assert [r[3] for r in rows] == ["0/4", "1/4", "2/4", "3/4"]
     assert out.stdout.count("MPI library:") == 1  # only rank 0 prints
+    # What a communicator over the four ranks chose: the window first, plain MPI last, the check in shm.
+    assert "transport shm (min_bytes=" in out.stdout and "transport mpi" in out.stdout
+    assert "agreement check: shm" in out.stdout
+
+
+def test_info_prints_every_setting_and_where_it_came_from():
+    out = _run([sys.executable, "-m", "mpistrat", "info"], MPISTRAT_SHM_MAX_BYTES="8M", MPISTRAT_CHECK_NUMERICS="yes")
+    assert out.returncode == 0, out.stderr
+    settings = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()
+                if line.strip().startswith("MPISTRAT_")}
+    assert settings["MPISTRAT_SHM_MAX_BYTES"] == ["8388608", "environment"]
+    assert settings["MPISTRAT_CHECK_NUMERICS"] == ["True", "environment"]
+    assert settings["MPISTRAT_TIMEOUT_SECONDS"] == ["600.0", "default"]
+    assert settings["MPISTRAT_SHM_BLOCK_BYTES"][1] in ("hardware", "default")
+    assert len(settings) == 15
+    bad = _run([sys.executable, "-m", "mpistrat", "info"], MPISTRAT_SHM_MAX_BYTES="lots")
+    assert bad.returncode == 0, bad.stderr  # info still reports, naming the bad variable
+    assert "error: MPISTRAT_SHM_MAX_BYTES must be a byte count" in bad.stdout
 
 
 def test_info_json_pretend_nodes():
@@ -114,7 +138,7 @@ def test_cuda_aware_forced_and_bad_value(monkeypatch):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ranks"][0]["cuda_aware"] is True
     monkeypatch.setenv("MPISTRAT_CUDA_AWARE", "maybe")
-    assert mpi_cuda_support().startswith("error: ValueError: MPISTRAT_CUDA_AWARE must be 1 or 0")
+    assert mpi_cuda_support().startswith("error: ValueError: MPISTRAT_CUDA_AWARE must be one of 1/true/yes/on or 0/false")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -275,7 +275,7 @@ def test_cross_rank_semantics_outside_scope_and_in_merge_fn(strategy):
 @pytest.mark.mpi(min_size=2)
 def test_dropped_strategy_frees_its_shared_window():
     from mpistrat.comm.runtime import lifetime
-    from mpistrat.comm.transport.shm import window as shm_window
+    from mpistrat.comm.runtime import shm_window
 
     lifetime.release_dropped()  # earlier tests' strategies
     base = len(shm_window._OPEN)
@@ -284,7 +284,7 @@ def test_dropped_strategy_frees_its_shared_window():
         s = ms.MultiWorkerMirroredStrategy(communication_options=opts)
         grads = [np.ones(50_000), np.ones(7)]  # one packed bucket: it goes through the window
         assert float(s.run(lambda: ms.get_replica_context().all_reduce("sum", grads))[0][0]) == world().size
-        shm = s.extended._communicator._host_backends[0]
+        shm = s.extended._communicator.transports[0]
         assert shm.name == "shm" and len(shm_window._OPEN) <= base + 2  # data and counter windows
         win, segment = shm._window.win, weakref.ref(shm._window.segment(0))
         del s, shm

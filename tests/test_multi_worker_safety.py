@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import mpistrat as ms
-from mpistrat.comm.agreement.guard import CollectiveMismatchError, CollectiveTimeoutError, CommunicatorBrokenError
+from mpistrat.comm import CollectiveMismatchError, CollectiveTimeoutError, CommunicatorBrokenError
 from mpistrat.experimental import CommunicationOptions
 
 

@@ -13,25 +13,26 @@ import time
 import numpy as np
 import pytest
 
-from mpistrat.comm.allreduce_steps import check_aux, require_same_pack
-from mpistrat.comm.communicator import RankCommunicator
-from mpistrat.comm.errors import CollectiveMismatchError
-from mpistrat.comm.options import CommunicationOptions
+from mpistrat import config
+from mpistrat.comm import CollectiveMismatchError, CommunicationOptions, RankCommunicator
+from mpistrat.comm.agreement.call import check_aux, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
-from mpistrat.comm.agreement.shm_allgather import AGREEMENT_ENV, ShmAllgather, shm_agreement_wanted
-from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend
+from mpistrat.comm.agreement.shm_allgather import ShmAllgather
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
+
+AGREEMENT_ENV = "MPISTRAT_AGREEMENT"
 
 
 @pytest.mark.parametrize("text, wanted", [("", True), ("auto", True), (" MPI ", False), ("mpi", False)])
 def test_the_setting_is_read_from_the_environment(monkeypatch, text, wanted):
     monkeypatch.setenv(AGREEMENT_ENV, text)
-    assert shm_agreement_wanted() is wanted
+    assert (config.settings().agreement == "auto") is wanted
 
 
 def test_an_unknown_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv(AGREEMENT_ENV, "nvlink")
-    with pytest.raises(ValueError, match=r"MPISTRAT_AGREEMENT must be one of \['auto', 'mpi'\], got 'nvlink'"):
-        shm_agreement_wanted()
+    with pytest.raises(ValueError, match=r"MPISTRAT_AGREEMENT must be one of auto, mpi, got 'nvlink'"):
+        config.settings()
 
 
 def test_the_aux_carries_the_bucket_size_and_whether_every_rank_staged_first():
@@ -136,14 +137,14 @@ def test_a_round_is_incomplete_until_the_last_rank_posts(comm, gather):
 def shm_rc(comm, monkeypatch):
     monkeypatch.delenv(AGREEMENT_ENV, raising=False)
     c = RankCommunicator(comm, CommunicationOptions(implementation="SHM"))
-    assert c._guard.transport == "shm" and isinstance(c._host_backends[0], ShmAllreduceBackend)
+    assert c._guard.transport == "shm" and isinstance(c.transports[0], ShmTransport)
     yield c
     c.close()
 
 
 def _count_syncs(rc: RankCommunicator, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A one-item list counting the shared-memory backend's node synchronisations."""
-    sync = rc._host_backends[0]._sync
+    sync = rc.transports[0]._sync
     wait, counter = sync.wait, [0]
 
     def counted(*args, **kwargs):
@@ -202,7 +203,7 @@ def test_the_check_replaces_the_first_synchronisation_only_when_every_rank_stage
     if call == "one 64 KiB array":
         # Rank 0 cannot stage before the check (as when its window must grow): every rank syncs.
         if rc.rank == 0:
-            monkeypatch.setattr(rc._host_backends[0], "_staged_without_collectives", lambda count, dtype: False)
+            monkeypatch.setattr(rc.transports[0], "_staged_without_collectives", lambda count, dtype: False)
         assert rc.comm.allgather(_syncs_in_three_calls(rc, call, monkeypatch)) == [expected] * rc.size
 
 

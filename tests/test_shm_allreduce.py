@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpistrat import ops
+from mpistrat.comm.runtime.topology import node_layout
+from mpistrat.comm.runtime.waiter import OVERSUBSCRIBED_YIELDS, ranks_outnumber_cores
 from mpistrat.comm.transport.shm import allreduce as shm_allreduce
 from mpistrat.comm.transport.shm import calibration as shm_calibration
-from mpistrat.comm.runtime.waiter import OVERSUBSCRIBED_YIELDS, ranks_outnumber_cores
-from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend, parse_bytes
-from mpistrat.comm.runtime.topology import node_layout
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
+from mpistrat.config import parse_bytes
 
 SIZES = [0, 1, 2, 3, 5, 17, 1000, 4099, 65539, 300001]
 DTYPES = ["float32", "float64", "int32", "int64"]
@@ -46,13 +48,9 @@ def _run(backend, x, op):
     buf = backend.pack_buffer(x.size, x.dtype)
     assert buf.shape == x.shape and buf.dtype == x.dtype
     buf[:] = x
-    pieces = backend.allreduce_packed(x.size, x.dtype, op)
-    start = 0
-    for s, piece in pieces:
-        assert s == start and piece.size > 0, "pieces must cover [0, count) in order"
-        start += piece.size
-    assert start == x.size
-    return np.concatenate([p for _, p in pieces]) if pieces else np.empty(0, x.dtype)
+    got = backend.allreduce_packed(x.size, x.dtype, op)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    return got.copy()
 
 
 def _expected_order(comm, x, op, pretend):
@@ -73,7 +71,7 @@ def _expected_order(comm, x, op, pretend):
 
 @pytest.fixture(params=[None, 2], ids=["one-node", "pretend-2-nodes"])
 def backend(request):
-    b = ShmAllreduceBackend(MPI.COMM_WORLD, pretend_nodes=request.param, min_bytes=0)
+    b = ShmTransport(MPI.COMM_WORLD, pretend_nodes=request.param, min_bytes=0)
     b.pretend = request.param
     yield b
     b.close()
@@ -108,7 +106,7 @@ def test_float_sum_follows_documented_order(backend):
 @pytest.mark.mpi(min_size=4)
 def test_uneven_pretend_nodes():
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, pretend_nodes=3, min_bytes=0)
+    b = ShmTransport(comm, pretend_nodes=3, min_bytes=0)
     try:
         sizes = comm.allgather(b.layout.local_size)
         assert len(set(sizes)) > 1 and b.owners == min(sizes)
@@ -134,7 +132,7 @@ def test_buckets_survive_a_slow_reader(backend):
     buckets = []
     for step in range(24):
         one_sync = direct and step % 3 == 2
-        count = 64 if one_sync else 3001 + step
+        count = 64 if one_sync else max(backend.direct_max_bytes // 8, 0) + 3001 + step
         x = np.full(count, step * 10 + comm.rank, np.int64)
         buf = backend.pack_buffer(count, np.int64)
         buckets.append(backend._bucket)
@@ -142,13 +140,13 @@ def test_buckets_survive_a_slow_reader(backend):
         expect = step * 10 * comm.size + sum(range(comm.size))
         if one_sync:
             out = np.empty(count, np.int64)
-            backend.allreduce_packed_to(count, np.int64, "sum", out)
+            backend.allreduce_packed(count, np.int64, "sum", out=out)
             assert (out == expect).all(), f"step {step}: one synchronisation"
             continue
-        pieces = backend.allreduce_packed(count, np.int64, "sum")
+        reduced = backend.allreduce_packed(count, np.int64, "sum")  # this rank's segment
         if comm.rank == step % comm.size:
             time.sleep(0.05)  # the others race ahead and pack the next bucket
-        got = np.concatenate([p for _, p in pieces])
+        got = reduced.copy()
         assert (got == expect).all(), f"step {step}: a peer overwrote a bucket still being read"
     # A two-synchronisation reduce leaves the bucket as it found it; a one-synchronisation one switches.
     for step in range(23):
@@ -159,7 +157,7 @@ def test_buckets_survive_a_slow_reader(backend):
 @pytest.mark.mpi(min_size=2)
 def test_window_grows_then_refuses_above_max():
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, min_bytes=0, max_bytes=4 << 20)
+    b = ShmTransport(comm, min_bytes=0, max_bytes=4 << 20)
     try:
         for count in (10, (3 << 20) // 4 + 1, 10):
             x = _data(count, "int32", comm.rank, seed=count)
@@ -177,7 +175,7 @@ def test_window_grows_then_refuses_above_max():
 
 @pytest.mark.mpi(min_size=2)
 def test_enabled_by_size_dtype_op():
-    b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=1 << 16, max_bytes=1 << 20)
+    b = ShmTransport(MPI.COMM_WORLD, min_bytes=1 << 16, max_bytes=1 << 20)
     try:
         assert not b.enabled(1 << 15, np.float32, "sum")
         assert b.enabled(1 << 16, np.float32, "sum")
@@ -212,7 +210,7 @@ def test_bad_use_raises_on_every_rank(backend):
 @pytest.mark.mpi(min_size=2)
 def test_close_frees_window_and_views():
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, min_bytes=0)
+    b = ShmTransport(comm, min_bytes=0)
     _run(b, np.ones(1000, np.float32), "sum")
     win = b._window.win
     root = weakref.ref(b._window.segment(0))
@@ -227,44 +225,48 @@ def test_close_frees_window_and_views():
 @pytest.mark.mpi(min_size=2)
 def test_close_with_a_held_piece_keeps_memory():
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, min_bytes=0)
-    pieces = b.allreduce_packed(6, np.int32, "sum") if b.pack_buffer(6, np.int32).fill(2) is None else None
+    b = ShmTransport(comm, min_bytes=0)
+    count = b.direct_max_bytes // 4 + 6  # above the one-synchronisation size: the result is in the window
+    b.pack_buffer(count, np.int32).fill(2)
+    held = b.allreduce_packed(count, np.int32, "sum")
     win = b._window.win
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         b.close()
     assert any(issubclass(c.category, ResourceWarning) for c in caught)
     assert win != MPI.WIN_NULL
-    assert np.concatenate([p for _, p in pieces]).tolist() == [2 * comm.size] * 6
+    assert held.tolist() == [2 * comm.size] * count
 
 
 @pytest.mark.mpi(min_size=2)
-def test_calibrated_threshold_agrees_on_all_ranks():
+def test_the_size_threshold_is_a_rule_not_a_measurement():
+    """``auto``: 16 KiB, 64 KiB where the machine's ranks outnumber its cores, never with one rank per
+    node; the same on every rank, whatever the machine's load (it decides the summation order)."""
     comm = MPI.COMM_WORLD
-    shm_calibration.THRESHOLDS.clear()  # measure now, on every rank
-    b = ShmAllreduceBackend(comm)
-    try:
-        assert len(set(comm.allgather(b.min_bytes))) == 1
-        assert b.min_bytes in (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, b.max_bytes + 1)
-        if b.owners < 2:  # one rank per (pretend) node: nothing to share, never auto-enabled
-            assert b.calibration == [] and b.min_bytes == b.max_bytes + 1
-        else:
-            assert len(b.calibration) == 5 and all(raw > 0 and shm > 0 for _, raw, shm in b.calibration)
-        x = _data(5000, "float64", comm.rank)
-        ref = x.copy()
-        comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.MAX)
-        assert np.array_equal(_run(b, x, "max"), ref)
-    finally:
-        b.close()
+    for pretend in (None, comm.size):
+        b = ShmTransport(comm, pretend_nodes=pretend)
+        try:
+            if b.owners < 2:
+                expected = b.max_bytes + 1
+            elif b.topology.oversubscribed:
+                expected = shm_allreduce.MIN_BYTES_OVERSUBSCRIBED
+            else:
+                expected = shm_allreduce.MIN_BYTES
+            assert b.min_bytes == expected and len(set(comm.allgather(b.min_bytes))) == 1
+            x = _data(5000, "float64", comm.rank)
+            ref = x.copy()
+            comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.MAX)
+            assert np.array_equal(_run(b, x, "max"), ref)
+        finally:
+            b.close()
 
 
 @pytest.mark.mpi(min_size=2)
 def test_env_knobs(monkeypatch):
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "64K")
     monkeypatch.setenv("MPISTRAT_SHM_MAX_BYTES", "2MiB")
-    monkeypatch.setenv("MPISTRAT_SHM_SYNC", "counter")
     monkeypatch.setenv("MPISTRAT_SHM_BLOCK_BYTES", "4K")
-    b = ShmAllreduceBackend(MPI.COMM_WORLD)
+    b = ShmTransport(MPI.COMM_WORLD)
     try:
         assert (b.min_bytes, b.max_bytes, b.sync_kind, b.block_bytes) == (65536, 2 << 20, "counter", 4096)
         comm = MPI.COMM_WORLD
@@ -277,7 +279,7 @@ def test_env_knobs(monkeypatch):
 
 
 def test_single_rank_is_identity():
-    b = ShmAllreduceBackend(MPI.COMM_SELF)
+    b = ShmTransport(MPI.COMM_SELF)
     try:
         assert not b.enabled(1 << 20, np.float32, "sum"), "nothing to share with one rank per node"
         x = np.arange(11, dtype=np.float64)
@@ -292,22 +294,13 @@ def test_parse_bytes_and_bad_options():
     with pytest.raises(ValueError, match="MPISTRAT_SHM_MAX_BYTES"):
         parse_bytes("lots", "MPISTRAT_SHM_MAX_BYTES")
     with pytest.raises(ValueError, match="sync must be"):
-        ShmAllreduceBackend(MPI.COMM_SELF, sync="spin", min_bytes=0)
+        ShmTransport(MPI.COMM_SELF, sync="spin", min_bytes=0)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_calibration_runs_once_per_rank_set(monkeypatch):
-    comm = MPI.COMM_WORLD
-    first = ShmAllreduceBackend(comm)
-    first.close()
-    second = ShmAllreduceBackend(comm)
-    try:
-        assert second.min_bytes == first.min_bytes
-        assert second.calibration == [], "the second backend must reuse the measured threshold"
-    finally:
-        second.close()
+def test_min_bytes_off_never_enables(monkeypatch):
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "off")
-    off = ShmAllreduceBackend(comm)
+    off = ShmTransport(MPI.COMM_WORLD)
     try:
         assert not off.enabled(1 << 20, np.float32, "sum") and off.min_bytes > off.max_bytes
     finally:
@@ -318,7 +311,7 @@ def test_calibration_runs_once_per_rank_set(monkeypatch):
 @pytest.mark.parametrize("pretend", [None, 2])
 def test_barrier_sync_matches_mpi(pretend):
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, pretend_nodes=pretend, min_bytes=0, sync="barrier", block_bytes=1 << 12)
+    b = ShmTransport(comm, pretend_nodes=pretend, min_bytes=0, sync="barrier", block_bytes=1 << 12)
     try:
         assert b.sync_kind == "barrier"
         for step, count in enumerate((1, 33, 10007, 70001)):
@@ -341,23 +334,12 @@ def test_many_counts_through_the_plan_cache(backend):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_calibration_within_a_small_max_bytes():
-    comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, max_bytes=100 << 10)
-    try:
-        assert all(n <= 100 << 10 for n, _, _ in b.calibration)
-        assert b.min_bytes in (16 << 10, 64 << 10, b.max_bytes + 1)
-    finally:
-        b.close()
-
-
-@pytest.mark.mpi(min_size=2)
 def test_env_pretend_nodes_capped_on_a_small_sub_communicator(monkeypatch):
     comm = MPI.COMM_WORLD
     monkeypatch.setenv("MPISTRAT_PRETEND_NODES", str(comm.size))
     pair = comm.Split(color=comm.rank // 2, key=comm.rank)
     try:
-        b = ShmAllreduceBackend(pair, min_bytes=0)
+        b = ShmTransport(pair, min_bytes=0)
         try:
             assert b.layout.num_nodes == pair.size and b.layout.pretend
             x = np.full(9, comm.rank, np.int64)
@@ -365,7 +347,7 @@ def test_env_pretend_nodes_capped_on_a_small_sub_communicator(monkeypatch):
         finally:
             b.close()
         with pytest.raises(ValueError, match="pretend_nodes"):
-            ShmAllreduceBackend(pair, pretend_nodes=pair.size + 1, min_bytes=0)
+            ShmTransport(pair, pretend_nodes=pair.size + 1, min_bytes=0)
     finally:
         pair.Free()
 
@@ -374,14 +356,15 @@ def test_env_pretend_nodes_capped_on_a_small_sub_communicator(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "int64"])
 @pytest.mark.parametrize("op", list(OPS))
 def test_reduce_into_private_memory_matches_mpi(backend, dtype, op):
-    """allreduce_packed_to and allreduce_array (and in place), one and two synchronisations."""
+    """allreduce_packed into private memory and allreduce_array (and in place), one and two
+    synchronisations."""
     comm = MPI.COMM_WORLD
     for i, count, x, ref, exact in _cases_against_mpi(comm, dtype, op):
         check = np.array_equal if exact else (lambda a, b: np.allclose(a, b, rtol=1e-5, atol=1e-5))
         out = np.full(count, -7, dtype)
         backend.pack_buffer(count, x.dtype)[:] = x
-        backend.allreduce_packed_to(count, x.dtype, op, out)
-        assert check(out, ref), f"allreduce_packed_to, count={count}"
+        backend.allreduce_packed(count, x.dtype, op, out=out)
+        assert check(out, ref), f"allreduce_packed into out, count={count}"
         out2 = np.full(count, -7, dtype)
         backend.allreduce_array(x.reshape(1, -1) if count else x, out2.reshape(1, -1) if count else out2, op)
         assert check(out2, ref), f"allreduce_array, count={count}"
@@ -398,7 +381,7 @@ def test_one_synchronisation_survives_a_slow_reader(monkeypatch):
     """A fast rank must never repack a bucket that a slow peer is still summing, also when
     one-synchronisation reduces (small arrays) and two-synchronisation ones (large) alternate."""
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, min_bytes=0)
+    b = ShmTransport(comm, min_bytes=0)
     try:
         assert b.direct_max_bytes >= 8 * 5000, "one node: small buckets take one synchronisation"
         slow = comm.rank == comm.size - 1
@@ -411,7 +394,7 @@ def test_one_synchronisation_survives_a_slow_reader(monkeypatch):
             return original(*args, **kwargs)
 
         if slow:
-            monkeypatch.setitem(shm_allreduce._UFUNCS, "sum", slow_add)
+            monkeypatch.setitem(ops.WIRE_OPS, "sum", ops.WIRE_OPS["sum"]._replace(ufunc=slow_add))
         n = comm.size
         bad = []
         large = b.direct_max_bytes // 8 + 4099
@@ -423,7 +406,7 @@ def test_one_synchronisation_survives_a_slow_reader(monkeypatch):
             expect = n * np.arange(count) + 1000 * n * (n - 1) // 2 + n * step
             if not np.array_equal(out, expect):
                 bad.append(step)
-        monkeypatch.setitem(shm_allreduce._UFUNCS, "sum", original)
+        monkeypatch.setitem(ops.WIRE_OPS, "sum", ops.WIRE_OPS["sum"]._replace(ufunc=original))
         everyone = comm.allgather(bad)
         assert not any(everyone), f"corrupted steps per rank: {everyone}"
         assert not slow or len(calls) >= 6
@@ -436,7 +419,7 @@ def test_one_synchronisation_path_gives_the_reduce_scatter_bits(backend):
     """Every rank summing all segments (small buckets) adds in the reduce-scatter's order: same bits."""
     comm = MPI.COMM_WORLD
     x = _data(70001, "float32", comm.rank, seed=3) * np.float32(1e3)
-    pieces_result = _run(backend, x, "sum")
+    scattered = _run(backend, x, "sum")  # 280 KB: above the one-synchronisation size
     if backend.direct_max_bytes < 0:
         assert backend.layout.num_nodes > 1  # hierarchical: always the reduce-scatter
         return
@@ -444,10 +427,10 @@ def test_one_synchronisation_path_gives_the_reduce_scatter_bits(backend):
     backend.direct_max_bytes, saved = 1 << 40, backend.direct_max_bytes
     try:
         backend.pack_buffer(x.size, x.dtype)[:] = x
-        backend.allreduce_packed_to(x.size, x.dtype, "sum", out)
+        backend.allreduce_packed(x.size, x.dtype, "sum", out=out)
     finally:
         backend.direct_max_bytes = saved
-    assert np.array_equal(out, pieces_result)
+    assert np.array_equal(out, scattered)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -456,8 +439,8 @@ def test_long_arrays_reduced_chunk_by_chunk_give_the_same_bits(count):
     """allreduce_array in 64 KiB chunks (several, a partial last one) equals the unchunked reduction bit
     for bit, out of place and in place, and leaves the input untouched."""
     comm = MPI.COMM_WORLD
-    chunked = ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=64 << 10)
-    whole = ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=0)
+    chunked = ShmTransport(comm, min_bytes=0, chunk_bytes=64 << 10)
+    whole = ShmTransport(comm, min_bytes=0, chunk_bytes=0)
     try:
         assert chunked.chunk_bytes == 64 << 10 and whole.chunk_bytes == 0
         x = _data(count, "float32", comm.rank, seed=3)
@@ -480,13 +463,13 @@ def test_long_arrays_reduced_chunk_by_chunk_give_the_same_bits(count):
 @pytest.mark.mpi(min_size=2)
 def test_chunk_size_is_agreed_over_the_ranks():
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=(1 << 20) + comm.rank * 4096)
+    b = ShmTransport(comm, min_bytes=0, chunk_bytes=(1 << 20) + comm.rank * 4096)
     try:
         assert b.chunk_bytes == 1 << 20  # the smallest: every rank cuts the same chunks
     finally:
         b.close()
     with pytest.raises(ValueError, match="chunk_bytes"):
-        ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=-1)
+        ShmTransport(comm, min_bytes=0, chunk_bytes=-1)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -497,10 +480,10 @@ def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set
     monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
     comm = MPI.COMM_WORLD
     long_count = shm_calibration.CHUNK_MEASURE_MIN // 4 + 1000  # float32: just long enough to decide
-    first = ShmAllreduceBackend(comm, min_bytes=0)
+    first = ShmTransport(comm, min_bytes=0)
     try:
         assert first.chunk_bytes is None and first.chunk_calibration == []
-        for count in (1000, 2 * shm_allreduce.AUTO_CHUNK_BYTES // 4):  # 4 KB, and two chunks' worth
+        for count in (1000, 2 * shm_calibration.AUTO_CHUNK_BYTES // 4):  # 4 KB, and two chunks' worth
             short = _data(count, "float32", comm.rank)
             first.allreduce_array(short, np.empty_like(short), "sum")
         assert first.chunk_bytes is None, "short arrays must not start the measurement"
@@ -509,7 +492,7 @@ def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set
         comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
         got = np.empty_like(x)
         first.allreduce_array(x, got, "sum")
-        assert first.chunk_bytes in (0, shm_allreduce.AUTO_CHUNK_BYTES)
+        assert first.chunk_bytes in (0, shm_calibration.AUTO_CHUNK_BYTES)
         assert len(set(comm.allgather(first.chunk_bytes))) == 1, "every rank must cut the same chunks"
         [(nbytes, one_pass, chunked)] = first.chunk_calibration
         assert nbytes == long_count * 4 and one_pass > 0 and chunked > 0  # measured at the deciding size
@@ -517,7 +500,7 @@ def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set
         assert len({g.tobytes() for g in comm.allgather(got)}) == 1
     finally:
         first.close()
-    second = ShmAllreduceBackend(comm, min_bytes=0)
+    second = ShmTransport(comm, min_bytes=0)
     try:
         x = _data(long_count, "float32", comm.rank)
         second.allreduce_array(MPI.IN_PLACE, x, "sum")
@@ -532,9 +515,9 @@ def test_an_explicit_chunk_size_is_never_measured(monkeypatch, setting):
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", setting)
     monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, min_bytes=0)
+    b = ShmTransport(comm, min_bytes=0)
     try:
-        x = _data(3 * shm_allreduce.AUTO_CHUNK_BYTES // 4, "float32", comm.rank)
+        x = _data(3 * shm_calibration.AUTO_CHUNK_BYTES // 4, "float32", comm.rank)
         b.allreduce_array(MPI.IN_PLACE, x, "sum")
         assert b.chunk_bytes == parse_bytes(setting, "chunk") and b.chunk_calibration == []
         assert shm_calibration.CHUNK_DECISIONS == {}
@@ -545,7 +528,7 @@ def test_an_explicit_chunk_size_is_never_measured(monkeypatch, setting):
 @pytest.mark.mpi(min_size=2)
 def test_one_rank_explicit_chunk_size_wins_over_auto_elsewhere():
     comm = MPI.COMM_WORLD
-    b = ShmAllreduceBackend(comm, min_bytes=0, chunk_bytes=(256 << 10) if comm.rank == 0 else "auto")
+    b = ShmTransport(comm, min_bytes=0, chunk_bytes=(256 << 10) if comm.rank == 0 else "auto")
     try:
         assert b.chunk_bytes == 256 << 10
     finally:
@@ -571,12 +554,12 @@ def test_a_bad_setting_on_one_rank_raises_on_every_rank(bad, message):
     last = comm.size - 1
     kwargs = {"min_bytes": 0, **(bad if comm.rank == last else {})}
     with pytest.raises(ValueError) as info:
-        ShmAllreduceBackend(comm, **kwargs)
+        ShmTransport(comm, **kwargs)
     if comm.rank == last:
         assert message in str(info.value)
     else:
         assert f"failed on rank(s) [{last}]" in str(info.value) and message in str(info.value)
-    ok = ShmAllreduceBackend(comm, min_bytes=0)  # the communicator is still usable by all ranks
+    ok = ShmTransport(comm, min_bytes=0)  # the communicator is still usable by all ranks
     try:
         x = np.full(8, comm.rank + 1.0)
         out = np.empty_like(x)
@@ -593,7 +576,7 @@ def test_a_bad_environment_on_one_rank_raises_on_every_rank(monkeypatch):
     if comm.rank == comm.size - 1:
         monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "bogus")
     with pytest.raises(ValueError, match="MPISTRAT_SHM_MIN_BYTES"):
-        ShmAllreduceBackend(comm)
+        ShmTransport(comm)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -603,31 +586,32 @@ def test_settings_that_differ_between_ranks_are_agreed(monkeypatch):
     takes a path the others do not); different sync kinds cannot be reconciled and raise everywhere."""
     comm = MPI.COMM_WORLD
     first = comm.rank == 0
-    b = ShmAllreduceBackend(comm, min_bytes=4096 if first else None, max_bytes=(8 << 20) if first else None)
+    b = ShmTransport(comm, min_bytes=4096 if first else None, max_bytes=(8 << 20) if first else None)
     try:
         assert (b.min_bytes, b.max_bytes) == (4096, 8 << 20)
         assert b.enabled(4096, np.float32, "sum") and not b.enabled((8 << 20) + 4, np.float32, "sum")
     finally:
         b.close()
     with pytest.raises(ValueError, match="different sync kinds"):
-        ShmAllreduceBackend(comm, min_bytes=0, sync="barrier" if first else "counter")
+        ShmTransport(comm, min_bytes=0, sync="barrier" if first else "counter")
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_every_rank_reads_the_whole_result_from_its_own_segment(backend):
-    """The owners push their reduced slices into every segment: one piece, in this rank's own segment
-    of the bucket it packed, right on every call (also across pretend nodes, after the cross-node
-    reduction)."""
+    """The owners push their reduced slices into every segment: the result lies in this rank's own
+    segment of the bucket it packed, right on every call (also across pretend nodes, after the
+    cross-node reduction)."""
     comm = MPI.COMM_WORLD
+    above = max(backend.direct_max_bytes // 4, 0)  # past the one-synchronisation size
     for k in range(6):
-        x = _data(50000 + k, "float32", comm.rank, seed=k)
+        x = _data(above + 50000 + k, "float32", comm.rank, seed=k)
         expected = np.sum(comm.allgather(x), axis=0, dtype=np.float64)
         backend.pack_buffer(x.size, x.dtype)[:] = x
         bucket = backend._bucket  # after pack_buffer: growing the window starts again at bucket 0
-        [(start, piece)] = backend.allreduce_packed(x.size, x.dtype, "sum")
+        piece = backend.allreduce_packed(x.size, x.dtype, "sum")
         own = backend._typed(bucket, x.dtype)[backend.layout.local_rank]
-        assert start == 0 and np.shares_memory(piece, own), "the result must lie in this rank's segment"
+        assert np.shares_memory(piece, own), "the result must lie in this rank's segment"
         assert np.allclose(piece, expected, rtol=1e-5, atol=1e-5), f"call {k}"
 
 
@@ -635,7 +619,7 @@ def test_every_rank_reads_the_whole_result_from_its_own_segment(backend):
 def test_long_arrays_go_in_1_MiB_chunks_by_default(monkeypatch):
     monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
     monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
-    b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=0)
+    b = ShmTransport(MPI.COMM_WORLD, min_bytes=0)
     try:
         assert b.chunk_bytes == 1 << 20 and b._chunk_items(4 << 20, np.dtype(np.float64)) == (1 << 20) // 8
         assert shm_calibration.CHUNK_DECISIONS == {}, "nothing measured"
@@ -652,12 +636,12 @@ def test_node_sync_sleeps_after_yielding_only_where_ranks_outnumber_cores():
     machine = comm.Split_type(MPI.COMM_TYPE_SHARED)
     expected = OVERSUBSCRIBED_YIELDS if ranks_outnumber_cores(machine) else None
     machine.Free()
-    b = ShmAllreduceBackend(comm, min_bytes=0, sync="counter")
+    b = ShmTransport(comm, min_bytes=0, sync="counter")
     try:
         x = np.arange(1000, dtype=np.float64)
         out = np.empty_like(x)
         b.allreduce_array(x, out, "sum")
         np.testing.assert_array_equal(out, x * comm.size)
-        assert b.yields == expected and b._sync.yields == expected
+        assert b.waiter.yields == expected and b._sync.waiter is b.waiter
     finally:
         b.close()

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm.communicator import RankCommunicator
+from mpistrat.comm import CommunicationOptions, RankCommunicator
 from mpistrat.comm.fusion import ResultPool, plan_buckets
-from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
 from mpistrat.comm.transport.shm.results import MAX_BYTES, PRIVATE, SLOTS, ResultBlocks
 
 OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
@@ -38,9 +37,9 @@ def rc(comm, monkeypatch):
     c.close()
 
 
-def _shm(rc: RankCommunicator) -> ShmAllreduceBackend:
-    backend = rc._host_backends[0]
-    assert isinstance(backend, ShmAllreduceBackend)
+def _shm(rc: RankCommunicator) -> ShmTransport:
+    backend = rc.transports[0]
+    assert isinstance(backend, ShmTransport)
     return backend
 
 
@@ -55,7 +54,7 @@ def _reference(comm, x: np.ndarray, op: str) -> np.ndarray:
     return ref
 
 
-def _is_shared(result: np.ndarray, shm: ShmAllreduceBackend) -> bool:
+def _is_shared(result: np.ndarray, shm: ShmTransport) -> bool:
     shared = shm.result_blocks.shared_results(result.size, result.dtype)
     return shared is not None and shared.slot_of(result) != PRIVATE
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat.comm.runtime.waiter import OVERSUBSCRIBED_YIELDS, SLEEP_SECONDS, pause, reads_clock
-from mpistrat.comm.transport.shm.window import PAGE_SIZE, CounterSync, SharedWindow, make_sync
+from mpistrat.comm.runtime.waiter import OVERSUBSCRIBED_YIELDS, SLEEP_SECONDS, Waiter, pause, reads_clock
+from mpistrat.comm.runtime.shm_window import PAGE_SIZE, CounterSync, SharedWindow, make_sync
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_segments_visible_to_peers(node, kind):
 @pytest.mark.parametrize("yields", [None, OVERSUBSCRIBED_YIELDS])
 def test_counter_sync_timeout_names_missing_ranks(node, yields):
     w = SharedWindow(node, 64)
-    s = CounterSync(w, spin=0, yields=yields, timeout=0.3, rank_names=[100 + r for r in range(w.size)])
+    s = CounterSync(w, waiter=Waiter(0, yields), timeout=0.3, rank_names=[100 + r for r in range(w.size)])
     try:
         if w.rank == 0:
             t0 = time.monotonic()
@@ -71,7 +71,7 @@ def test_counter_sync_sleeps_after_its_yields(node):
     """With ``yields`` set, a rank waiting for a late peer sleeps between polls instead of yielding
     on (a yield does not always hand over the CPU: polling), so it burns little CPU while it waits."""
     w = SharedWindow(node, 64)
-    s = CounterSync(w, spin=0, yields=OVERSUBSCRIBED_YIELDS, timeout=30)
+    s = CounterSync(w, waiter=Waiter(0, OVERSUBSCRIBED_YIELDS), timeout=30)
     late = 0.4
     try:
         s.wait()
@@ -161,19 +161,19 @@ def test_bad_arguments():
 _EXIT_SCRIPT = """
 import atexit, sys
 def check():  # registered first, so it runs after mpistrat's exit hooks
-    from mpistrat.comm.transport.shm import window as shm_window
+    from mpistrat.comm.runtime import shm_window
     from mpi4py import MPI
     print("open", len(shm_window._OPEN), "freed", backend_win[0] == MPI.WIN_NULL, "finalized", MPI.Is_finalized())
 atexit.register(check)
 import numpy as np
 from mpi4py import MPI
-from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend
-b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=0)
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
+b = ShmTransport(MPI.COMM_WORLD, min_bytes=0)
 b.pack_buffer(100, np.float32)[:] = 1
-pieces = b.allreduce_packed(100, np.float32, "sum")
-assert pieces[0][1].sum() == 100
+result = b.allreduce_packed(100, np.float32, "sum")
+assert result.sum() == 100
 backend_win = [b._window.win]
-del pieces
+del result
 """
 
 
@@ -195,10 +195,10 @@ def test_no_collective_free_after_an_uncaught_exception(tmp_path):
     script = tmp_path / "exit_raise.py"
     script.write_text(
         "import atexit, importlib\n"
-        "atexit.register(lambda: print('still open', len(importlib.import_module('mpistrat.comm.transport.shm.window')._OPEN)))\n"
+        "atexit.register(lambda: print('still open', len(importlib.import_module('mpistrat.comm.runtime.shm_window')._OPEN)))\n"
         "from mpi4py import MPI\n"
-        "from mpistrat.comm.transport.shm.allreduce import ShmAllreduceBackend\n"
-        "b = ShmAllreduceBackend(MPI.COMM_WORLD, min_bytes=0)\n"
+        "from mpistrat.comm.transport.shm.allreduce import ShmTransport\n"
+        "b = ShmTransport(MPI.COMM_WORLD, min_bytes=0)\n"
         "b.pack_buffer(10, 'float32')\n"
         "raise RuntimeError('boom')\n"
     )

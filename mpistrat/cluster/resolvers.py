@@ -442,7 +442,7 @@ class MPIClusterResolver(ClusterResolver):
 
     ``comm`` defaults to ``COMM_WORLD``; pass a sub-communicator to run a
     strategy on part of the job. Local rank and node come from
-    ``mpistrat.comm.runtime.topology.node_layout`` (shared-memory split, or
+    ``mpistrat.comm.node_layout`` (shared-memory split, or
     ``MPISTRAT_PRETEND_NODES``); host names from ``MPI.Get_processor_name()``.
     GPUs: ``gpus_per_node`` defaults to what CuPy sees (counted on first use);
     binding as in ``gpu_binding``. Unlike the Slurm resolver it never changes
@@ -454,7 +454,7 @@ class MPIClusterResolver(ClusterResolver):
                  rpc_layer: str | None = None):
         from mpi4py import MPI  # noqa: PLC0415  (lazy: importing mpi4py.MPI initialises MPI)
 
-        from mpistrat.comm.runtime.topology import node_layout  # noqa: PLC0415
+        from mpistrat.comm import node_layout  # noqa: PLC0415
 
         self.comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(self.comm, MPI.Comm) or self.comm == MPI.COMM_NULL:

@@ -1,30 +1,13 @@
 """RankCommunicator: the cross-rank collectives under the strategies.
 
-Every call first agrees with every rank on what is being done
-(:class:`~mpistrat.comm.agreement.guard.AgreementGuard`: one tiny collective that
-also carries per-rank sizes or codes where a call needs them), honouring
-``options.timeout_seconds``, then moves the data:
-
-* ``allreduce``: arrays are grouped by kind (NumPy, CuPy, other
-  ``__cuda_array_interface__`` objects) and dtype into buckets of up to
-  ``bytes_per_pack`` (:mod:`~mpistrat.comm.fusion`), one MPI call per
-  bucket through the first enabled backend (:mod:`~mpistrat.comm.transport.table`).
-  A bucket holding one contiguous array is reduced without packing, in place
-  or into the result (the shared-memory backend copies it into its window:
-  from 16 KiB that beat MPICH's in-place and send/receive ``Allreduce`` here).
-  Plans, buckets and result arrays are cached per call signature, so the
-  hot path allocates nothing for shapes it has seen; results handed out are
-  never overwritten by later calls (see :class:`~mpistrat.comm.fusion.ResultPool`).
-* ``allgather`` (sizes along ``axis`` may differ: ``Allgatherv``),
-  ``broadcast``, and pickled ``broadcast_object`` / ``allgather_object``.
-* ``step_agreement(code)``: one int per rank, carried by the check itself.
-
-CuPy arrays go to MPI directly when it is CUDA-aware
-(:func:`~mpistrat.comm.transport.cuda.mpi_cuda_support`), after synchronising the
-stream; otherwise through pinned host buffers. Other objects exposing only
-``__cuda_array_interface__`` need a CUDA-aware MPI and ``inplace=True``.
-A one-rank communicator makes no MPI call and keeps the same semantics.
-A communicator is used by one thread at a time.
+Every collective takes one path: plan (the call's signature and, for an
+all-reduce, its buckets, each with a transport: plan.py) -> agreement (do
+all ranks make the same call? agreement/) -> execute (the transports move
+the data: execute.py, transport/). The agreement check honours
+``options.timeout_seconds`` and carries per-rank sizes or codes where a call
+needs them; a local error travels in it, so every rank raises. A one-rank
+communicator makes no MPI call and keeps the same semantics. A communicator
+is used by one thread at a time.
 """
 
 from __future__ import annotations
@@ -36,66 +19,41 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.transport.table import (
-    MPI_OPS,
-    DeviceMpiAllreduceBackend,
-    GrowableBuffers,
-    MpiAllreduceBackend,
-    mpi_datatype,
-    select_backends,
-)
-from mpistrat.comm.allreduce_steps import (
-    CAI,
-    CUPY,
-    HOST,
-    Step,
-    check_aux,
-    folds_sync,
-    overlaps_check,
-    require_same_pack,
-    run_steps,
-)
-from mpistrat.comm.allreduce_signature import allreduce_signature
-from mpistrat.comm.transport.cuda import is_cupy_array, is_device_buffer, mpi_cuda_support, synchronize_producer
-from mpistrat.comm.fusion import Bucket, pack, plan_buckets
-from mpistrat.comm.runtime.lifetime import Resources, release_dropped, track
-from mpistrat.comm.options import CommunicationOptions
-from mpistrat import timeline
-from mpistrat.comm.errors import CollectiveError
+from mpistrat import config, ops, timeline
+from mpistrat.comm.agreement.call import FIRST, CallAgreement, check_aux, choose_mode, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
 from mpistrat.comm.agreement.signatures import CallKey, fingerprint
+from mpistrat.comm.errors import CollectiveError, allgather_checked
+from mpistrat.comm.execute import run_steps
+from mpistrat.comm.fusion import pack, plan_buckets
+from mpistrat.comm.options import CommunicationOptions
+from mpistrat.comm.plan import Planner, Step
+from mpistrat.comm.runtime.lifetime import Resources, release_dropped, track
+from mpistrat.comm.runtime.topology import topology
+from mpistrat.comm.signature import CAI, CUPY, HOST, allreduce_signature
+from mpistrat.comm.transport import table
+from mpistrat.comm.transport.base import Transport, TransportContext
+from mpistrat.comm.transport.cuda import DeviceMpiTransport, mpi_cuda_support
+from mpistrat.comm.transport.mpi import MpiTransport, mpi_datatype
+from mpistrat.devices import is_cupy_array, is_device_buffer, synchronize_producer
 
 __all__ = ["RankCommunicator", "normalize_op"]
-
-_PLAN_CACHE_MAX = 512
 
 
 def normalize_op(op: Any) -> str:
     """``"sum"``, ``"min"`` or ``"max"`` from a string or ``ReduceOp`` (ValueError otherwise)."""
-    name = getattr(op, "value", op)
-    if isinstance(name, str):
-        lower = name.strip().lower()
-        if lower in MPI_OPS:
-            return lower
-        if lower == "mean":
-            raise ValueError(
-                "op 'mean' is not a cross-rank all-reduce op: all-reduce with 'sum' and divide by the "
-                "number of replicas"
-            )
-    raise ValueError(f"Unknown all-reduce op {op!r}; expected 'sum', 'min' or 'max' (or a ReduceOp)")
+    return ops.wire_op(op)
 
 
 def _op_param(op: Any) -> tuple[str, Exception | None]:
-    if type(op) is str and op in MPI_OPS:
-        return op, None
     try:
-        return normalize_op(op), None
+        return ops.wire_op(op), None
     except ValueError as exc:
         return repr(op), exc
 
 
 def _traced(name: str) -> Callable:
-    """Record a collective method in the timeline (bytes and count of the arrays it returns)."""
+    """Record a collective other than all-reduce in the timeline (bytes and count of what it returns)."""
     def wrap(method: Callable) -> Callable:
         @functools.wraps(method)
         def traced(self: "RankCommunicator", *args: Any, **kwargs: Any) -> Any:
@@ -127,26 +85,32 @@ class RankCommunicator:
             raise TypeError(f"options must be a CommunicationOptions, got {type(options).__name__}")
         self.options = options
         release_dropped(comm)  # what earlier communicators on these ranks left behind
+        error = settings = None
+        try:  # a malformed setting on one rank raises on every rank, before anything else collective
+            settings = config.settings()
+            self._timeout = options.timeout(settings)
+        except ValueError as exc:
+            error = exc
+        allgather_checked(comm, None, error, "mpistrat settings")
+        assert settings is not None
+        self.settings = settings
+        self._pack = options.pack_bytes()
         self.comm: MPI.Comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self._timeout = options.timeout()
-        self._pack = options.pack_bytes()
-        try:
-            self._guard = AgreementGuard(self.comm) if self.size > 1 else None
-        except Exception:  # raised on every rank (a bad setting): nothing left behind
-            self.comm.Free()
-            raise
-        self._host_backends: list[Any] = (
-            select_backends(self.comm, options) if self.size > 1 else [MpiAllreduceBackend(self.comm)]
-        )
-        self._device_backend: DeviceMpiAllreduceBackend | None = None
+        self.topology = topology(self.comm) if self.size > 1 else None
+        self._guard = AgreementGuard(self.comm, self.topology, settings) if self.topology is not None else None
+        self._agreement = CallAgreement(self._guard)
+        self._context = TransportContext(self.comm, options, settings, self.topology, self._timeout) \
+            if self.topology is not None else None
+        # One rank moves nothing; its list still ends with the fallback, as every list does.
+        self.transports: list[Transport] = (
+            table.select(self._context, table.HOST) if self._context else [MpiTransport(self.comm)])
+        self._device_transports: list[Transport] | None = None
         # Dropped without close(): released at the next collective point (lifetime.py).
-        self._resources = Resources(self.comm, self._guard, self._host_backends)
+        self._resources = Resources(self.comm, self._guard, self.transports, self.topology)
         self._finalizer = track(self, self._resources)
-        self._plans: dict[Any, list[Step]] = {}
-        self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
-        self._check_span = (0.0, 0.0)  # timeline: the last check's (start, end)
+        self._planner = Planner(self.transports, self._device)
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -155,105 +119,39 @@ class RankCommunicator:
         if options is None:
             return self._timeout, self._pack
         merged = self.options.merge(options)
-        return merged.timeout(), merged.pack_bytes()
+        return merged.timeout(self.settings), merged.pack_bytes()
 
-    def _check(self, key: CallKey, timeout: float, aux: int = 0, h: int | None = None) -> np.ndarray | None:
-        if self._guard is None:
-            if self._closed:
-                raise RuntimeError("RankCommunicator used after close()")
-            return None
-        if not timeline.enabled():
-            return self._guard.check(key, timeout, aux, h)
-        t0 = timeline.now_us()
-        try:
-            return self._guard.check(key, timeout, aux, h)
-        finally:
-            t1 = timeline.now_us()
-            self._check_span = (t0, t1)
-            timeline.record("check", "check", t0, t1 - t0, call=key[0], seq=self._guard.seq)
+    def _agree(self, key: CallKey, timeout: float, aux: int = 0, error: Exception | None = None) -> np.ndarray | None:
+        """The call's agreement check (a local ``error`` raises on every rank)."""
+        if self._closed and self._guard is None:
+            raise RuntimeError("RankCommunicator used after close()")
+        return self._agreement.agree(key, timeout, aux, error)
 
     def _record(self, name: str, t0: float, nbytes: int, **args: Any) -> None:
         """A ``collective`` timeline event from ``t0`` to now (wait = the check)."""
         t2 = timeline.now_us()
-        c0, c1 = self._check_span if self._check_span[0] >= t0 else (t0, t0)
+        c0, c1 = self._agreement.span
+        if c0 < t0:
+            c0 = c1 = t0
         timeline.record(name, "collective", t0, t2 - t0, bytes=nbytes, wait_us=c1 - c0,
                         transfer_us=t2 - c1, ranks=self.size, **args)
-
-    def _agree_or_raise(self, key: CallKey, error: Exception | None, timeout: float, aux: int = 0) -> np.ndarray | None:
-        """Run the check; a local error travels in the key so every rank raises."""
-        if error is not None:
-            key = (key[0], (("error", f"{type(error).__name__}: {error}"),), ())
-        aux_values = self._check(key, timeout, aux)
-        if error is not None:
-            raise error
-        return aux_values
 
     @property
     def cuda_aware(self) -> bool:
         """Whether CuPy buffers go to MPI directly (else host-staged)."""
         return bool(mpi_cuda_support())
 
-    def _device(self) -> DeviceMpiAllreduceBackend:
-        if self._device_backend is None:
-            self._device_backend = self._resources.device = DeviceMpiAllreduceBackend(self.comm, self.cuda_aware)
-        return self._device_backend
-
-    # ------------------------------------------------------------------ all-reduce
-
-    def _signature(self, arrays: list, inplace: bool) -> tuple[tuple, tuple | None, Exception | None]:
-        """Per-array ``(shape, dtype)`` signature, the arrays' kinds, a local error (allreduce_signature)."""
-        return allreduce_signature(arrays, inplace, self._device_mpi_missing)
+    def _device(self) -> list[Transport]:
+        """The device transports, made at the first device bucket."""
+        if self._device_transports is None:
+            self._device_transports = self._resources.device = (
+                table.select(self._context, table.DEVICE) if self._context else [DeviceMpiTransport(self.comm, False)])
+        return self._device_transports
 
     def _device_mpi_missing(self) -> bool:
         return self.size > 1 and not self.cuda_aware
 
-    def _plan(self, cache_key: tuple, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[Step]:
-        """The steps of an all-reduce not planned before, filed under ``cache_key`` (checks its dtypes)."""
-        op = normalize_op(op)
-        for i, entry in enumerate(sig):
-            dtype = np.dtype(entry[1])
-            if dtype.kind not in "iufc":
-                raise TypeError(
-                    f"allreduce: array #{i} has dtype {dtype}; supported are integer, float and complex dtypes"
-                )
-            if dtype.kind == "c" and op != "sum":
-                raise TypeError(f"allreduce: op {op!r} is not defined for complex array #{i} ({dtype})")
-            mpi_datatype(dtype)  # ValueError when MPI has no such type
-        kinds_list = kinds if kinds is not None else (HOST,) * len(sig)
-        steps = []
-        for kind in (HOST, CUPY, CAI):
-            index = [i for i, k in enumerate(kinds_list) if k == kind]
-            if not index:
-                continue
-            if kind == CAI:
-                # One direct call per buffer: nothing to pack them with.
-                buckets = [self._single_bucket(i, sig[i][:2]) for i in index]
-            else:
-                sub = plan_buckets([sig[i][:2] for i in index], pack_bytes)
-                buckets = [
-                    Bucket(b.dtype, b.count, tuple(index[m] for m in b.members), b.offsets, b.sizes, b.shapes)
-                    for b in sub
-                ]
-            for b in buckets:
-                if kind == HOST:
-                    # The first enabled backend (shared memory, MPI), for one array too:
-                    # both take one contiguous array unpacked (allreduce_array).
-                    backend = next(x for x in self._host_backends if x.enabled(b.nbytes, b.dtype, op))
-                    xp = np
-                else:
-                    backend = self._device()
-                    xp = sys.modules.get("cupy") if kind == CUPY else None
-                steps.append(Step(b, kind, backend, xp))
-        if len(self._plans) >= _PLAN_CACHE_MAX:
-            self._plans.clear()
-        self._plans[cache_key] = steps
-        return steps
-
-    @staticmethod
-    def _single_bucket(i: int, entry: tuple) -> Bucket:
-        shape, code = entry
-        size = int(np.prod(shape, dtype=np.int64))
-        return Bucket(np.dtype(code), size, (i,), (0,), (size,), (tuple(shape),))
+    # ------------------------------------------------------------------ all-reduce
 
     def allreduce(
         self,
@@ -269,96 +167,51 @@ class RankCommunicator:
         input arrays are overwritten and returned; otherwise the inputs are
         untouched and the results are new arrays, never overwritten later.
         """
+        traced = timeline.enabled()
+        t0 = timeline.now_us() if traced else 0.0
         timeout, pack_bytes = self._settings(options)
         arrays = list(arrays)
+        # Plan: the signature (validating the arrays) and the steps, cached by the call's fingerprint.
         opname, error = _op_param(op)
-        sig, kinds, sig_error = self._signature(arrays, inplace)
+        sig, kinds, sig_error = allreduce_signature(arrays, inplace, self._device_mpi_missing)
         error = error or sig_error
         key = ("allreduce", (("op", opname),), sig)
+        h = 0
+        steps: list[Step] | None = None
+        planned_before = False
+        if error is None:
+            h = fingerprint(key)
+            plan_key = (h, kinds, pack_bytes, inplace)
+            steps = self._planner.cached(plan_key)
+            planned_before = steps is not None
+            if steps is None:
+                try:
+                    steps = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)
+                except (TypeError, ValueError) as exc:
+                    error = exc
         if error is not None:
-            self._agree_or_raise(key, error, timeout)
-        h = fingerprint(key)
-        traced = timeline.enabled()
-        guard = self._guard
-        # h, the call's fingerprint, stands for (op, sig): a cheap dictionary key.
-        plan_key = (h, kinds, pack_bytes, inplace)
-        steps = self._plans.get(plan_key)
-        if steps and guard is not None and not traced and overlaps_check(steps[0]):
-            if guard.transport == "shm" and folds_sync(steps[0]):
-                return self._allreduce_folded(guard, key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
-            return self._allreduce_overlapped(guard, key, timeout, h, pack_bytes, steps, arrays, opname, inplace)
-        t0 = timeline.now_us() if traced else 0.0
-        aux = self._check(key, timeout, check_aux(pack_bytes), h)
-        if aux is not None:
-            require_same_pack(aux)
-        if steps is None:
-            steps = self._plan(plan_key, sig, kinds, opname, pack_bytes)
-        if traced:
-            try:
-                return self._run_steps(steps, arrays, opname, inplace)
-            finally:
-                nbytes = sum(s.bucket.nbytes for s in steps)
-                self._record("allreduce", t0, nbytes, op=opname, arrays=len(arrays), buckets=len(steps))
-        return self._run_steps(steps, arrays, opname, inplace)
-
-    def _allreduce_overlapped(
-        self, guard: AgreementGuard, key: CallKey, timeout: float, h: int, pack_bytes: int, steps: list[Step],
-        arrays: list, opname: str, inplace: bool,
-    ) -> list:
-        """A call planned before (so staged before: no window to grow): the check's wait for the other
-        ranks overlaps this rank's staging of its first bucket (see _allreduce_steps)."""
-        guard.start(key, timeout, check_aux(pack_bytes), h)
-        try:
-            results = self._run_steps(steps, arrays, opname, inplace, self._finish_check)
-        except BaseException:
-            if guard.started:  # failed before the check finished: finish it, never leave it open
-                guard.finish()
-            raise
-        if guard.started:  # a backend that took ready and never called it: a bug, caught on every rank
-            guard.finish()
-            raise RuntimeError(f"all-reduce backend {type(steps[0].backend).__name__} took `ready` and never "
-                               "called it: the agreement check finished only after the data moved")
-        return results
-
-    def _allreduce_folded(
-        self, guard: AgreementGuard, key: CallKey, timeout: float, h: int, pack_bytes: int, steps: list[Step], arrays: list,
-        opname: str, inplace: bool,
-    ) -> list:
-        """A call planned before, on a communicator whose check goes through shared memory, to a
-        backend that folds (see folds_sync): the whole check runs once this rank has staged its
-        first bucket, and when every rank did so, it is the backend's first node synchronisation."""
-        guard.require_usable()  # before staging: peers may still read this rank's last data
-        checked = False
-
-        def ready(staged: bool = True) -> bool:
-            nonlocal checked
-            checked = True
-            return require_same_pack(guard.check(key, timeout, check_aux(pack_bytes, staged_first=staged), h))
-
-        try:
-            results = self._run_steps(steps, arrays, opname, inplace, ready)
-        except Exception as exc:
-            if checked:
-                raise
-            # Failed while staging, before the check: the peers must not enter the transfer without us.
-            self._agree_or_raise(key, exc, timeout)
-            raise
-        if not checked:  # a backend that took ready and never called it: a bug, caught on every rank
-            self._agree_or_raise(key, RuntimeError(
-                f"all-reduce backend {type(steps[0].backend).__name__} took `ready` and never called it"), timeout)
-        return results
-
-    def _run_steps(
-        self, steps: list[Step], arrays: list, opname: str, inplace: bool, ready: Callable[[], Any] | None = None
-    ) -> list:
+            self._agree(key, timeout, error=error)  # raises on every rank
+        assert steps is not None
         if self.size == 1:
-            return arrays if inplace else [a.copy() for a in arrays]
-        return run_steps(steps, arrays, opname, inplace, self._scratch, ready)
-
-    def _finish_check(self, staged: bool = True) -> None:
-        """Finish the started agreement check of an all-reduce (its ``ready``)."""
-        assert self._guard is not None
-        require_same_pack(self._guard.finish())
+            self._agree(key, timeout)  # only checks that the communicator is open
+            results = arrays if inplace else [a.copy() for a in arrays]
+        else:
+            # Agreement, then execute: the first bucket's transport completes the check (agreement/call.py).
+            agreement = self._agreement
+            first = steps[0] if steps else None
+            mode = FIRST if first is None else choose_mode(
+                self._guard, planned_before, first.kind == HOST, first.bucket.nbytes, first.transport.folds_agreement)
+            hook = agreement.begin(key, h, timeout, pack_bytes, mode)
+            try:
+                results = run_steps(steps, arrays, opname, inplace, hook)
+            except BaseException as exc:
+                agreement.fail(exc)
+                raise
+            agreement.end(first.transport if first is not None else None)
+        if traced:
+            self._record("allreduce", t0, sum(s.bucket.nbytes for s in steps), op=opname, arrays=len(arrays),
+                         buckets=len(steps))
+        return results
 
     # ------------------------------------------------------------------ all-gather
 
@@ -391,7 +244,7 @@ class RankCommunicator:
             error = exc
         other = tuple(-1 if d == axis else n for d, n in enumerate(shape))
         key = ("allgather", (("axis", axis),), ((other, code),))
-        counts = self._agree_or_raise(key, error, timeout, aux=shape[axis] if shape else 0)
+        counts = self._agree(key, timeout, shape[axis] if shape else 0, error)
         if self.size == 1:
             return array.copy()
         counts = [int(c) for c in counts]
@@ -428,11 +281,11 @@ class RankCommunicator:
             error = ValueError(f"broadcast: root {root!r} is not a rank of this {self.size}-rank communicator")
             sig, kinds = (), None
         else:
-            sig, kinds, error = self._signature(arrays, inplace=False)
+            sig, kinds, error = allreduce_signature(arrays, False, self._device_mpi_missing)
             if error is None and kinds is not None and CAI in kinds:
                 error = TypeError("broadcast: buffers with only __cuda_array_interface__ are not supported")
         key = ("broadcast", (("root", int(root) if error is None else repr(root)),), sig)
-        aux = self._agree_or_raise(key, error, timeout, check_aux(pack_bytes))
+        aux = self._agree(key, timeout, check_aux(pack_bytes), error)
         if aux is not None:  # buckets cut at different sizes: different Bcast calls
             require_same_pack(aux, "broadcast")
         for entry in sig:
@@ -476,7 +329,7 @@ class RankCommunicator:
         error = None
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             error = ValueError(f"broadcast_object: root {root!r} is not a rank of this {self.size}-rank communicator")
-        self._agree_or_raise(("broadcast_object", (("root", repr(root)),), ()), error, self._timeout)
+        self._agree(("broadcast_object", (("root", repr(root)),), ()), self._timeout, error=error)
         if self.size == 1:
             return obj
         return self.comm.bcast(obj, root=int(root))
@@ -484,7 +337,7 @@ class RankCommunicator:
     def allgather_object(self, obj: Any, options: CommunicationOptions | None = None) -> list:
         """Every rank's picklable object, in rank order."""
         timeout, _ = self._settings(options)
-        self._check(("allgather_object", (), ()), timeout)
+        self._agree(("allgather_object", (), ()), timeout)
         if self.size == 1:
             return [obj]
         return self.comm.allgather(obj)
@@ -500,7 +353,7 @@ class RankCommunicator:
         error = None
         if isinstance(code, bool) or not isinstance(code, (int, np.integer)) or not -(2**63) <= int(code) < 2**63:
             error = TypeError(f"step_agreement: code must be an int64 integer, got {code!r}")
-        codes = self._agree_or_raise(("step_agreement", (), ()), error, timeout, aux=0 if error else int(code))
+        codes = self._agree(("step_agreement", (), ()), timeout, 0 if error else int(code), error)
         if codes is None:
             return np.array([int(code)], dtype=np.int64)
         return codes.copy()
@@ -508,7 +361,7 @@ class RankCommunicator:
     def barrier(self, options: CommunicationOptions | None = None) -> None:
         """Wait until every rank is here (with the timeout)."""
         timeout, _ = self._settings(options)
-        self._check(("barrier", (), ()), timeout)
+        self._agree(("barrier", (), ()), timeout)
 
     def close(self) -> None:
         """Release buffers, backends and communicators (collective; idempotent)."""
@@ -525,7 +378,7 @@ class RankCommunicator:
                 self._guard.close()
                 raise
         self._closed = True
-        self._plans.clear()
+        self._planner.clear()
         self._finalizer.detach()
         self._resources.release()  # local clean-up only if the guard broke (peers may be gone)
 

@@ -6,9 +6,8 @@ implementation=AUTO)`` has TensorFlow's constructor, validation and
 
 * ``bytes_per_pack=0`` means "the default bucket size"
   (:data:`DEFAULT_BYTES_PER_PACK`), see :meth:`CommunicationOptions.pack_bytes`.
-* ``timeout_seconds=None`` never means "wait forever": it falls back to the
-  environment variable ``MPISTRAT_TIMEOUT_SECONDS``, else to
-  :data:`DEFAULT_TIMEOUT_SECONDS`, see :meth:`CommunicationOptions.timeout`.
+* ``timeout_seconds=None`` never means "wait forever": it falls back to
+  ``MPISTRAT_TIMEOUT_SECONDS`` (default 600 s), see :meth:`CommunicationOptions.timeout`.
 """
 
 from __future__ import annotations
@@ -16,27 +15,27 @@ from __future__ import annotations
 import copy
 import enum
 import math
-import os
+
+from mpistrat import config
 
 __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "DEFAULT_BYTES_PER_PACK",
-    "DEFAULT_TIMEOUT_SECONDS",
-    "TIMEOUT_ENV",
 ]
 
 DEFAULT_BYTES_PER_PACK = 32 * 1024 * 1024
-DEFAULT_TIMEOUT_SECONDS = 600.0
-TIMEOUT_ENV = "MPISTRAT_TIMEOUT_SECONDS"
 
 
 class CommunicationImplementation(enum.Enum):
-    """Cross-rank collective implementation.
+    """Cross-rank collective implementation: a row of the transport table (comm/transport/table.py).
 
-    AUTO, RING and NCCL as in TensorFlow; RING means plain MPI collectives
-    here, NCCL applies within a rank (several local GPUs) and uses MPI across
-    ranks. MPI forces plain MPI; SHM prefers the node shared-memory backend.
+    AUTO, RING and NCCL are TensorFlow's names. AUTO takes the node
+    shared-memory transport from its size threshold and plain MPI otherwise;
+    RING takes plain MPI; NCCL puts NCCL first for device buckets (within a rank
+    it is used whenever the rank has several GPUs) and MPI for host buckets.
+    MPI (plain MPI only) and SHM (the shared-memory transport at every size up
+    to its limit) are mpistrat's.
     """
 
     AUTO = "AUTO"
@@ -63,8 +62,7 @@ class CommunicationOptions:
     Args:
       bytes_per_pack: fusion bucket size in bytes; 0 picks the default.
       timeout_seconds: how long a collective may wait for the other ranks
-        before raising; None falls back to ``MPISTRAT_TIMEOUT_SECONDS``, else
-        600 s.
+        before raising; None falls back to ``MPISTRAT_TIMEOUT_SECONDS`` (600 s).
       implementation: a :class:`CommunicationImplementation` or its name.
     """
 
@@ -117,18 +115,11 @@ class CommunicationOptions:
         """The effective bucket size: ``bytes_per_pack`` or the default."""
         return self.bytes_per_pack or DEFAULT_BYTES_PER_PACK
 
-    def timeout(self) -> float:
-        """The effective timeout in seconds (never infinite)."""
+    def timeout(self, settings: config.Settings | None = None) -> float:
+        """The effective timeout in seconds (never infinite): ``timeout_seconds``, else the setting."""
         if self.timeout_seconds is not None:
             return self.timeout_seconds
-        text = os.environ.get(TIMEOUT_ENV, "").strip()
-        if text:
-            try:
-                value = float(text)
-            except ValueError:
-                raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}") from None
-            return _validate_timeout(value, TIMEOUT_ENV)  # type: ignore[return-value]
-        return DEFAULT_TIMEOUT_SECONDS
+        return (config.settings() if settings is None else settings).timeout_seconds
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CommunicationOptions):

@@ -8,8 +8,9 @@ Set ``MPISTRAT_CRC32C=python`` to force the fallback (for tests).
 
 from __future__ import annotations
 
-import os
 from typing import Callable
+
+from mpistrat import config
 
 __all__ = ["crc32c", "masked_crc32c", "crc32c_python", "IMPLEMENTATION"]
 
@@ -40,7 +41,7 @@ def crc32c_python(data: bytes) -> int:
 
 
 def _select() -> "tuple[Callable[[bytes], int], str]":
-    if os.environ.get("MPISTRAT_CRC32C", "").lower() != "python":
+    if config.get("crc32c") != "python":
         try:
             import google_crc32c  # noqa: PLC0415
 

@@ -15,20 +15,20 @@ every rank, naming the replicas that sent them (one small extra collective).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from mpistrat import devices as dev
-from mpistrat.distribute.values import DistributedValues, Mirrored, ReduceOp
+from mpistrat import config, ops
+from mpistrat.distribute.values import DistributedValues, Mirrored
+from mpistrat.ops import ReduceOp
 
 __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "HierarchicalCopyAllReduce", "NcclAllReduce",
            "select_cross_device_ops"]
 
 CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
 _NDARRAY_ONLY = {np.ndarray}
-_COMM_OPS = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 
 
 def _as_array(value: Any, device: str | None = None) -> Any:
@@ -93,7 +93,7 @@ class CrossDeviceOps:
     def __init__(self) -> None:
         self._communicator = None
         self._bound = False
-        self.check_numerics = os.environ.get(CHECK_NUMERICS_ENV, "") not in ("", "0")
+        self.check_numerics = config.get("check_numerics")
 
     # -- wiring done by the strategy ------------------------------------------------
     def _bind(self, communicator: Any) -> None:
@@ -204,7 +204,7 @@ class CrossDeviceOps:
             owned = True
         comm = self._communicator
         if comm is not None and comm.size > 1:
-            reduced = comm.allreduce(reduced, _COMM_OPS[op], options, inplace=owned)
+            reduced = comm.allreduce(reduced, op.wire, options, inplace=owned)
         if op is ReduceOp.MEAN:
             n = self._global_count(num_local)
             reduced = [_divide(r, n) for r in reduced]
@@ -234,7 +234,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         xp = dev.array_module(target)
         if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             return xp.asarray(self.accumulation_fn(arrays))
-        ufunc = {ReduceOp.SUM: xp.add, ReduceOp.MEAN: xp.add, ReduceOp.MIN: xp.minimum, ReduceOp.MAX: xp.maximum}[op]
+        ufunc = getattr(xp, ops.ufunc(op.wire).__name__)  # the same ufunc in CuPy
         with dev.device_scope(target):
             acc = xp.array(arrays[0], copy=True)
             for a in arrays[1:]:
@@ -264,7 +264,6 @@ class HierarchicalCopyAllReduce(ReductionToOneDevice):
 class NcclAllReduce(CrossDeviceOps):
     """Reduce across the rank's GPUs with NCCL (``cupy.cuda.nccl``)."""
 
-    _NCCL_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.MEAN: "NCCL_SUM", ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX"}
     _NCCL_TYPES = {
         "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
         "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint8": "NCCL_UINT8", "int8": "NCCL_INT8",
@@ -308,7 +307,7 @@ class NcclAllReduce(CrossDeviceOps):
         for i, (comm, a) in enumerate(zip(comms, arrays)):
             with cupy.cuda.Device(ids[i]):
                 recv = out.data.ptr if i == 0 else a.data.ptr
-                comm.reduce(a.data.ptr, recv, a.size, getattr(nccl, dtype), getattr(nccl, self._NCCL_OPS[op]), 0,
+                comm.reduce(a.data.ptr, recv, a.size, getattr(nccl, dtype), getattr(nccl, ops.nccl_op(op)), 0,
                             cupy.cuda.get_current_stream().ptr)
         nccl.groupEnd()
         for i in ids:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mpistrat.comm.communicator import RankCommunicator
+    from mpistrat.comm import RankCommunicator
 
 __all__ = ["InputReplicationMode", "InputOptions", "InputContext", "InputWorkerInfo"]
 

@@ -34,9 +34,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         from mpi4py import MPI  # noqa: PLC0415
 
         from mpistrat.cluster.resolvers import default_cluster_resolver  # noqa: PLC0415
-        from mpistrat.comm.communicator import RankCommunicator  # noqa: PLC0415
-        from mpistrat.comm.options import CommunicationOptions  # noqa: PLC0415
-        from mpistrat.comm.runtime.abort import install_abort_on_exception  # noqa: PLC0415
+        from mpistrat.comm import CommunicationOptions, RankCommunicator, install_abort_on_exception  # noqa: PLC0415
 
         resolver = cluster_resolver if cluster_resolver is not None else default_cluster_resolver()
         comm = getattr(resolver, "comm", None) or MPI.COMM_WORLD

@@ -1,51 +1,12 @@
-"""Reduction operations and distributed values (``PerReplica``, ``Mirrored``)."""
+"""Distributed values: one value per local replica (``PerReplica``) or one mirrored across them (``Mirrored``)."""
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Sequence
 
-__all__ = ["ReduceOp", "DistributedValues", "PerReplica", "Mirrored"]
+from mpistrat.ops import ReduceOp
 
-
-class ReduceOp(enum.Enum):
-    """How values from replicas are combined: SUM and MEAN (as TF) plus MIN and MAX."""
-
-    SUM = "SUM"
-    MEAN = "MEAN"
-    MIN = "MIN"
-    MAX = "MAX"
-
-    @staticmethod
-    def from_string(op: "str | ReduceOp") -> "ReduceOp":
-        """``ReduceOp.from_string("mean")`` -> ``ReduceOp.MEAN`` (case-insensitive)."""
-        if type(op) is str:
-            found = _OPS_BY_NAME.get(op)  # the exact spellings: one lookup on the hot path
-            if found is not None:
-                return found
-        elif isinstance(op, ReduceOp):
-            return op
-        if isinstance(op, str):
-            try:
-                return ReduceOp[op.strip().upper()]
-            except KeyError:
-                pass
-        raise ValueError(
-            f"Unknown reduce op {op!r}; expected one of SUM, MEAN, MIN, MAX (a ReduceOp or a string)."
-        )
-
-    @staticmethod
-    def from_variable_aggregation(aggregation: Any) -> "ReduceOp":
-        """The reduce op matching a ``VariableAggregation`` (SUM or MEAN)."""
-        name = getattr(aggregation, "name", str(aggregation)).upper()
-        if name in ("SUM", "MEAN"):
-            return ReduceOp[name]
-        raise ValueError(
-            f"Could not convert from `VariableAggregation` {name} to `ReduceOp` type"
-        )
-
-
-_OPS_BY_NAME = {spelling: op for op in ReduceOp for spelling in (op.value, op.value.lower())}
+__all__ = ["ReduceOp", "DistributedValues", "PerReplica", "Mirrored"]  # ReduceOp: mpistrat.ops
 
 
 class DistributedValues:

@@ -1,11 +1,11 @@
-"""``python -m mpistrat info``: what every rank sees, gathered into one table.
+"""``python -m mpistrat info``: what every rank sees, gathered into one report.
 
-Per rank: host, node index and local rank (shared-memory split), the cluster
-resolver mpistrat picks, whether CuPy imports and how many GPUs it sees, and
-the devices mpistrat would use. Once for the job: MPI library and version,
-MPI standard, thread level, whether the MPI is CUDA-aware
-(``mpistrat.comm.transport.cuda.mpi_cuda_support``: ``MPIX_Query_cuda_support`` of the
-loaded libmpi, or ``MPISTRAT_CUDA_AWARE``). Rank 0 prints;
+Per rank: host, node index and local rank, the cluster resolver mpistrat
+picks, thread level, whether the MPI is CUDA-aware, whether CuPy imports and
+how many GPUs it sees, and the devices mpistrat would use. Once for the job:
+the MPI library, versions, every ``MPISTRAT_*`` setting with where its value
+came from, and what a communicator over all ranks chose (its transports and
+their sizes, the agreement check's transport, how waits poll). Rank 0 prints;
 ``--json`` prints the same facts as JSON. Works as one process and under
 ``mpiexec``/``srun``.
 """
@@ -25,7 +25,7 @@ def mpi_cuda_support() -> bool | str | None:
     """Whether the MPI library is CUDA-aware: True, False, None (unknown), or
     the error text when the question cannot be answered (e.g. a bad
     ``MPISTRAT_CUDA_AWARE``). Answered by ``mpistrat.comm.transport.cuda``."""
-    from mpistrat.comm.transport.cuda import mpi_cuda_support as query  # noqa: PLC0415
+    from mpistrat.comm import mpi_cuda_support as query  # noqa: PLC0415
 
     try:
         return query()
@@ -84,6 +84,7 @@ def collect(comm: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | N
     comm = MPI.COMM_WORLD if comm is None else comm
     row = _rank_row(comm)
     rows = comm.gather(row, root=0)
+    chosen = _communicator_facts(comm)
     if comm.Get_rank() != 0:
         return None
     import mpi4py  # noqa: PLC0415
@@ -98,8 +99,49 @@ def collect(comm: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | N
         "python": platform.python_version(),
         "numpy": numpy.__version__,
         "world_size": comm.Get_size(),
+        "settings": _settings_rows(),
+        "communicator": chosen,
     }
     return job, rows
+
+
+def _settings_rows() -> list[list[str]] | str:
+    """``[variable, effective value, source]`` per setting, or the error a malformed one gives."""
+    from mpistrat import config  # noqa: PLC0415
+
+    try:
+        return [list(row) for row in config.describe()]
+    except ValueError as exc:
+        return f"error: {exc}"
+
+
+def _communicator_facts(comm: Any) -> dict[str, Any] | str:
+    """What a communicator over ``comm`` chose (collective): transports, their sizes, the check, polling."""
+    from mpistrat.comm import RankCommunicator  # noqa: PLC0415
+
+    try:
+        rc = RankCommunicator(comm)
+    except ValueError as exc:  # a malformed setting: raised on every rank alike
+        return f"error: {exc}"
+    try:
+        transports = []
+        for t in rc.transports:
+            entry: dict[str, Any] = {"name": t.name}
+            for attr in ("min_bytes", "max_bytes", "block_bytes", "chunk_bytes", "direct_max_bytes"):
+                if hasattr(t, attr):
+                    value = getattr(t, attr)
+                    entry[attr] = "measured at the first long array" if value is None else value
+            transports.append(entry)
+        top = rc.topology
+        return {
+            "transports": transports,
+            "agreement": rc._guard.transport if rc._guard is not None else "none (one rank)",
+            "oversubscribed": top.oversubscribed if top is not None else False,
+            "spin_polls": top.waiter.spin if top is not None else 0,
+            "yields_before_sleep": top.waiter.yields if top is not None else None,
+        }
+    finally:
+        rc.close()
 
 
 def _dist_version() -> str:
@@ -131,10 +173,31 @@ def format_table(job: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         r["thread_level"], _yes_no(r["cuda_aware"]), r["resolver"].replace("ClusterResolver", ""),
         r["cupy"], str(r["gpus"]), ",".join(r["devices"]),
     ] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    for line in table:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    lines.extend(_columns(table))
+    settings = job.get("settings")
+    if settings is not None:
+        lines += ["", "settings (python -m mpistrat info; README \"Performance knobs\"):"]
+        lines += [f"  {settings}"] if isinstance(settings, str) else \
+            ["  " + line for line in _columns([["variable", "value", "from"]] + settings)]
+    chosen = job.get("communicator")
+    if chosen is not None:
+        lines += ["", "a communicator over all ranks chose:"]
+        if isinstance(chosen, str):
+            lines.append(f"  {chosen}")
+        else:
+            for t in chosen["transports"]:
+                sizes = ", ".join(f"{k}={v}" for k, v in t.items() if k != "name")
+                lines.append(f"  transport {t['name']}" + (f" ({sizes})" if sizes else ""))
+            lines.append(f"  agreement check: {chosen['agreement']}; ranks outnumber cores: "
+                         f"{_yes_no(chosen['oversubscribed'])}; waits spin {chosen['spin_polls']} polls, then yield"
+                         + (f", then sleep after {chosen['yields_before_sleep']} yields"
+                            if chosen["yields_before_sleep"] is not None else ""))
     return "\n".join(lines)
+
+
+def _columns(table: list[list[str]]) -> list[str]:
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

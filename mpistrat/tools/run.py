@@ -6,7 +6,7 @@ Usage (as ``python -m mpi4py``)::
     mpiexec -n 4 python -m mpistrat.run -m package.module [args...]
     mpiexec -n 4 python -m mpistrat.run -c "code" [args...]
 
-It installs :func:`mpistrat.comm.runtime.abort.install_abort_on_exception` (an
+It installs :func:`mpistrat.comm.install_abort_on_exception` (an
 uncaught exception, in the main thread or any other, prints its traceback
 prefixed with ``[rank R]`` and calls ``MPI_Abort``), then runs the program.
 A non-zero ``sys.exit`` on one rank also aborts the job at once, so the
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     from mpi4py.run import run_command_line, set_abort_status  # noqa: PLC0415
 
-    from mpistrat.comm.runtime.abort import install_abort_on_exception  # noqa: PLC0415
+    from mpistrat.comm import install_abort_on_exception  # noqa: PLC0415
 
     hooked = install_abort_on_exception()
     try:
@@ -67,7 +67,7 @@ def _abort_on_exit(exc: SystemExit) -> None:
         f"{MPI.COMM_WORLD.Get_size()} ranks (MPI_Abort).\n"
     )
     sys.stderr.flush()
-    from mpistrat.comm.runtime.abort import abort_world  # noqa: PLC0415
+    from mpistrat.comm import abort_world  # noqa: PLC0415
 
     abort_world(code)
 

@@ -58,8 +58,6 @@ Ending the whole job on an uncaught exception is :mod:`mpistrat.comm.runtime.abo
 from __future__ import annotations
 
 import atexit
-import math
-import os
 import sys
 import threading
 import time
@@ -69,27 +67,17 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.errors import (  # noqa: F401  (CollectiveError: importable from here, as before)
-    CollectiveError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    CommunicatorBrokenError,
-    PeerExitedError,
-    allgather_checked,
-)
-from mpistrat.comm.runtime.waiter import default_spin, default_yields, pause, ranks_outnumber_cores
+from mpistrat import config
 from mpistrat.comm.agreement.query_channel import QueryChannel
-from mpistrat.comm.agreement.shm_allgather import AGREEMENT_ENV, ShmAllgather, shm_agreement_wanted
+from mpistrat.comm.agreement.shm_allgather import ShmAllgather
 from mpistrat.comm.agreement.signatures import CallKey, describe_call, fingerprint, format_mismatch, format_ranks
-from mpistrat.comm.agreement.stall import STALL_SHUTDOWN_ENV, format_stall, report_stall, stall_settings
+from mpistrat.comm.agreement.stall import STALL_SHUTDOWN_ENV, format_stall, report_stall
+from mpistrat.comm.errors import CollectiveMismatchError, CollectiveTimeoutError, CommunicatorBrokenError, PeerExitedError
+from mpistrat.comm.runtime.topology import Topology, topology as make_topology
 
-__all__ = ["AgreementGuard", "GRACE_ENV"]  # the error classes: errors.py (still importable from here)
+__all__ = ["AgreementGuard"]
 
-GRACE_ENV = "MPISTRAT_TIMEOUT_GRACE_SECONDS"
-
-_SPIN_SECONDS = 2e-4
-_YIELD_SECONDS = 0.05
-_MAX_SLEEP = 1e-3
+_YIELD_SECONDS = 0.05  # a wait this long sleeps between polls (backing off): the peers are computing
 _TAG_QUERY, _TAG_REPLY, _TAG_ABANDON, _TAG_RESOLVED, _TAG_EXITED = 1, 2, 3, 4, 5
 
 
@@ -100,20 +88,6 @@ _GUARD_COUNT = 0
 # What this process is waiting on, for answers to peers' queries:
 # (guard index, seq, call key, since) or None.
 _WAITING: tuple | None = None
-
-
-_DEFAULT_GRACE = 0.5
-
-
-def _grace_seconds(strict: bool = True) -> float:
-    """``MPISTRAT_TIMEOUT_GRACE_SECONDS`` (ValueError when malformed, or the default if not ``strict``)."""
-    text = os.environ.get(GRACE_ENV, "").strip()
-    try:
-        return max(0.05, float(text)) if text else _DEFAULT_GRACE
-    except ValueError:
-        if not strict:
-            return _DEFAULT_GRACE
-        raise ValueError(f"{GRACE_ENV} must be a number of seconds, got {text!r}") from None
 
 
 def _service_all() -> None:
@@ -129,33 +103,26 @@ class AgreementGuard:
     one thread at a time per guard, like the communicator it guards.
     """
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, topology: Topology | None = None, settings: config.Settings | None = None) -> None:
         global _GUARD_COUNT
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        error = None
-        try:
-            shm_wanted = shm_agreement_wanted()
-        except ValueError as exc:
-            error, shm_wanted = exc, False
+        settings = config.settings() if settings is None else settings
+        owned = make_topology(comm) if topology is None else None
+        topology = topology or owned
+        assert topology is not None
         self._ctl = comm.Dup()
         self._channel = QueryChannel(comm)
         self._query = self._channel.comm
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        node_size = node.Get_size()
-        # Where the node's ranks outnumber its cores, polls sleep after their yields (polling).
-        self._yields = default_yields(ranks_outnumber_cores(node))
-        node.Free()
-        # One collective: a bad setting raises on every rank; the index is the same on every rank of
-        # comm (queries and replies name guards by it), even when ranks have made different numbers of
-        # guards (on sub-communicators): one above the largest; shared memory only if every rank wants it.
-        try:
-            agreed = allgather_checked(self._ctl, (_GUARD_COUNT, shm_wanted and node_size == self.size), error,
-                                       AGREEMENT_ENV)
-        except ValueError:
-            self._ctl.Free()
-            self._channel.free()
-            raise
+        # Where the machine's ranks outnumber its cores, polls sleep after their yields (waiter).
+        self._waiter = topology.waiter
+        shm_wanted = settings.agreement == "auto" and topology.one_machine
+        if owned is not None:
+            owned.free()
+        # The index is the same on every rank of comm (queries and replies name guards by it), even
+        # when ranks have made different numbers of guards (on sub-communicators): one above the
+        # largest; shared memory only if every rank wants it.
+        agreed = self._ctl.allgather((_GUARD_COUNT, shm_wanted))
         _GUARD_COUNT = max(count for count, _ in agreed) + 1
         self.index = _GUARD_COUNT
         self.seq = 0
@@ -164,7 +131,7 @@ class AgreementGuard:
         self._recv = np.zeros(3 * self.size, dtype=np.int64)
         self._recv_aux = self._recv[1::3]
         self.transport = "shm" if all(shm for _, shm in agreed) else "mpi"
-        if self.transport == "shm":  # one node: one shared-memory round (shm_agreement.py)
+        if self.transport == "shm":  # one node: one shared-memory round (shm_allgather.py)
             self._persistent: Any = ShmAllgather(self._ctl, self._send, self._recv)
         else:  # a persistent collective (MPI-4) saves a few microseconds per check
             try:
@@ -172,13 +139,11 @@ class AgreementGuard:
             except (AttributeError, NotImplementedError, MPI.Exception):
                 self._persistent = None
         self._qid = 0
-        # More ranks than cores on this node: no pure spin (a spinning rank
-        # keeps the peer it waits for off the CPU); yield from the start.
-        self._spin_seconds = 0.0 if default_spin(node_size) == 0 else _SPIN_SECONDS
+        self._grace = settings.timeout_grace_seconds
         self.broken: str | None = None
         self.abandoned_seq: int | None = None
         self._open: tuple | None = None  # a started check: (request, key, timeout, fingerprint, arrival ms)
-        self._stall_warning, self._stall_shutdown = stall_settings()
+        self._stall_warning, self._stall_shutdown = settings.stall_warning_seconds, settings.stall_shutdown_seconds
         self._exited: dict[int, tuple] = {}  # rank -> (its last seq, how it ended)
         _LIVE.add(self)
 
@@ -281,7 +246,7 @@ class AgreementGuard:
         _LIVE.discard(self)
         if self.broken is None:
             # Never raise between the collectives below: a bad value on one rank would strand the others.
-            grace = _grace_seconds(strict=False)
+            grace = self._grace
             if self._persistent is not None:
                 self._persistent.Free()
             self._channel.drain(self._ctl, grace)  # nothing left for a later communicator
@@ -296,47 +261,32 @@ class AgreementGuard:
     def _wait(self, req: MPI.Request, key: CallKey, timeout: float) -> bool:
         """Poll until done; True when it completed only after the timeout."""
         global _WAITING
+        if req.Test():
+            return False
         start = time.monotonic()
-        deadline = start + timeout
-        spin_end = start + self._spin_seconds
-        while time.monotonic() < spin_end:
-            if req.Test():
-                return False
         previous = _WAITING
         _WAITING = (self.index, self.seq, key, start)  # described only if a peer asks
+        interval = self._stall_warning
+        next_stall = start + interval if interval > 0 else float("inf")
+        deadline = start + timeout
+
+        def tick(now: float) -> bool:
+            """Every millisecond: answer queries, look for exit notices and verdicts, inspect stalls."""
+            nonlocal next_stall
+            _service_all()
+            if self._exited or self._query.Iprobe(MPI.ANY_SOURCE, _TAG_EXITED):
+                self._peer_exited(key)
+            if self._query.Iprobe(MPI.ANY_SOURCE, _TAG_ABANDON):
+                self._abandoned_while_waiting(key)
+            if next_stall <= now < deadline:
+                if self._inspect_stall(req, key, start):
+                    return True
+                next_stall += interval
+            return False
+
         try:
-            # Then poll with sched_yield (the CPU goes to ranks that compute, an
-            # idle core polls on at once), answering queries every millisecond;
-            # after _YIELD_SECONDS sleep between polls, backing off to 1 ms.
-            yield_end = start + _YIELD_SECONDS
-            next_service = start + 1e-3
-            interval = self._stall_warning
-            next_stall = start + interval if interval > 0 else math.inf
-            delay = 5e-5
-            polls = 0
-            while True:
-                if req.Test():
-                    return False
-                now = time.monotonic()
-                if now >= next_service:
-                    _service_all()
-                    if self._exited or self._query.Iprobe(MPI.ANY_SOURCE, _TAG_EXITED):
-                        self._peer_exited(key)
-                    if self._query.Iprobe(MPI.ANY_SOURCE, _TAG_ABANDON):
-                        self._abandoned_while_waiting(key)
-                    if next_stall <= now < deadline:
-                        if self._inspect_stall(req, key, start):
-                            return False
-                        next_stall += interval
-                    next_service = time.monotonic() + 1e-3
-                if now >= deadline:
-                    break
-                if now < yield_end:
-                    polls += 1
-                    pause(polls, 0, self._yields)
-                else:
-                    time.sleep(min(delay, deadline - now))
-                    delay = min(delay * 2, _MAX_SLEEP)
+            if self._waiter.until(req.Test, timeout, tick=tick, idle_after=_YIELD_SECONDS):
+                return False
             self._on_timeout(req, key, timeout, start)
             return True
         finally:
@@ -376,7 +326,7 @@ class AgreementGuard:
             self._channel.post(qid, r, _TAG_QUERY)
         replies: dict[int, Any] = {}
         status = MPI.Status()
-        grace_end = time.monotonic() + _grace_seconds()
+        grace_end = time.monotonic() + self._grace
         while len(replies) < len(others) and time.monotonic() < grace_end:
             if req.Test():
                 return None
@@ -459,7 +409,7 @@ class AgreementGuard:
         message = "; ".join(parts) + "."
         for r in others:
             self._channel.post((self.seq, self.rank, limit), r, _TAG_ABANDON)
-        self._channel.flush(_grace_seconds())
+        self._channel.flush(self._grace)
         self.broken = f"a collective of this communicator timed out earlier ({message})"
         self.abandoned_seq = self.seq
         raise CollectiveTimeoutError(message, missing_ranks=missing)
@@ -515,7 +465,7 @@ class AgreementGuard:
         """Tell the peers we queried that the collective completed after all."""
         for r in others:
             self._channel.post(self.seq, r, _TAG_RESOLVED)
-        self._channel.flush(_grace_seconds())
+        self._channel.flush(self._grace)
 
     def _settle(self, key: CallKey, timeout: float, values: list, arrival: int, only_queried: bool = False) -> None:
         """After a completed check, learn whether a peer gave up on it.
@@ -532,7 +482,7 @@ class AgreementGuard:
         givers: list[int] = []
         their_limit = self._limit(timeout)
         latest = max([deadlines[r] for r in pending], default=arrival) / 1000.0
-        end = time.monotonic() + max(0.0, latest - time.time()) + 3 * _grace_seconds() + 1.0
+        end = time.monotonic() + max(0.0, latest - time.time()) + 3 * self._grace + 1.0
         while True:
             while True:
                 msg = self._channel.probe(MPI.ANY_TAG, status)
@@ -557,7 +507,7 @@ class AgreementGuard:
             if not pending or time.monotonic() >= end:
                 break
             time.sleep(1e-3)
-        self._channel.flush(_grace_seconds())
+        self._channel.flush(self._grace)
         if givers or pending:
             parts = []
             if givers:
@@ -589,7 +539,7 @@ def _announce_exit() -> None:
     for guard in guards:
         guard._announce_exit(how)
     for guard in guards:
-        guard._channel.flush(_grace_seconds())
+        guard._channel.flush(guard._grace)
 
 
 # Before the atexit hooks (threading's exit hooks run first), some of which free

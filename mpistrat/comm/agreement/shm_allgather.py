@@ -23,27 +23,15 @@ shared memory when the communicator spans one node).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.transport.shm.window import _OPEN, SharedWindow
+from mpistrat.comm.runtime.shm_window import SharedWindow
 
-__all__ = ["AGREEMENT_ENV", "ShmAllgather", "shm_agreement_wanted"]
+__all__ = ["ShmAllgather"]
 
-AGREEMENT_ENV = "MPISTRAT_AGREEMENT"
-_CHOICES = ("auto", "mpi")
 _SLOT_ITEMS = 4  # round, then the three gathered values
 _LINE_ITEMS = 8  # a 64-byte cache line per slot
-
-
-def shm_agreement_wanted() -> bool:
-    """This rank's choice from ``MPISTRAT_AGREEMENT`` (ValueError on an unknown value)."""
-    text = os.environ.get(AGREEMENT_ENV, "").strip().lower() or "auto"
-    if text not in _CHOICES:
-        raise ValueError(f"{AGREEMENT_ENV} must be one of {list(_CHOICES)}, got {text!r}")
-    return text == "auto"
 
 
 class ShmAllgather:
@@ -59,8 +47,8 @@ class ShmAllgather:
         n = comm.Get_size()
         # Every rank's two slots, a cache line each, in one table in rank 0's segment: a round's
         # values are copied out in one go.
-        self._window = SharedWindow(comm, n * 2 * _LINE_ITEMS * 8 if comm.Get_rank() == 0 else 0)
-        _OPEN.remove(self._window)  # freed with its guard (collectively, unless broken), never at exit
+        # Freed with its guard (collectively, unless broken), never at exit.
+        self._window = SharedWindow(comm, n * 2 * _LINE_ITEMS * 8 if comm.Get_rank() == 0 else 0, free_at_exit=False)
         self._sync = self._window.win.Sync
         table = self._window.view(0, np.int64, 0, n * 2 * _LINE_ITEMS).reshape(n, 2, _LINE_ITEMS)
         self._mine = table[comm.Get_rank()]

@@ -22,7 +22,6 @@ wait loop: it costs nothing until a collective has waited the interval.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
 from mpistrat import timeline
@@ -30,8 +29,6 @@ from mpistrat import timeline
 __all__ = [
     "STALL_WARNING_ENV",
     "STALL_SHUTDOWN_ENV",
-    "DEFAULT_STALL_WARNING_SECONDS",
-    "stall_settings",
     "format_stall",
     "report_stall",
     "logger",
@@ -39,27 +36,7 @@ __all__ = [
 
 STALL_WARNING_ENV = "MPISTRAT_STALL_WARNING_SECONDS"
 STALL_SHUTDOWN_ENV = "MPISTRAT_STALL_SHUTDOWN_SECONDS"
-DEFAULT_STALL_WARNING_SECONDS = 60.0
-
 logger = logging.getLogger("mpistrat")
-
-
-def _seconds(name: str, default: float) -> float:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a number of seconds >= 0 (0: off), got {text!r}")
-    return value
-
-
-def stall_settings() -> tuple[float, float]:
-    """``(warning interval, shutdown time)`` in seconds from the environment; 0 means off."""
-    return (_seconds(STALL_WARNING_ENV, DEFAULT_STALL_WARNING_SECONDS), _seconds(STALL_SHUTDOWN_ENV, 0.0))
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -18,15 +18,15 @@ from typing import Any
 
 from mpi4py import MPI
 
+from mpistrat import config
+
 __all__ = [
     "install_abort_on_exception",
     "abort_hook_installed",
     "abort_world",
     "unlink_mpi_shared_memory_files",
-    "NO_ABORT_HOOK_ENV",
 ]
 
-NO_ABORT_HOOK_ENV = "MPISTRAT_NO_ABORT_HOOK"
 
 _HOOK_LOCK = threading.Lock()
 _HOOK_INSTALLED = False
@@ -104,7 +104,7 @@ def install_abort_on_exception() -> bool:
     disables it (returns False).
     """
     global _HOOK_INSTALLED
-    if os.environ.get(NO_ABORT_HOOK_ENV, "").strip() == "1":
+    if config.get("no_abort_hook"):
         return False
     with _HOOK_LOCK:
         if _HOOK_INSTALLED:

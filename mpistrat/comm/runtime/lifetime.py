@@ -50,19 +50,21 @@ def group_key(comm: MPI.Comm) -> tuple[int, ...]:
 
 
 class Resources:
-    """What one communicator must release collectively: its duplicate of the
-    communicator, agreement guard, host all-reduce backends, device backend."""
+    """What one communicator must release collectively: its duplicate of the communicator, its
+    topology's communicators, the agreement guard, the host and device transports."""
 
-    __slots__ = ("key", "serial", "comm", "guard", "backends", "device", "released")
+    __slots__ = ("key", "serial", "comm", "guard", "transports", "topology", "device", "released")
 
-    def __init__(self, comm: MPI.Comm, guard: Any, backends: list, key: tuple[int, ...] | None = None) -> None:
+    def __init__(self, comm: MPI.Comm, guard: Any, transports: list, topology: Any = None,
+                 key: tuple[int, ...] | None = None) -> None:
         self.key = group_key(comm) if key is None else key
         self.serial = _SERIALS.get(self.key, 0) + 1
         _SERIALS[self.key] = self.serial
         self.comm = comm
         self.guard = guard
-        self.backends = backends
-        self.device: Any = None
+        self.transports = transports
+        self.topology = topology
+        self.device: list = []
         self.released = False
 
     def release(self) -> None:
@@ -75,14 +77,16 @@ class Resources:
             return
         self.released = True
         broken = self.guard is not None and self.guard.broken is not None
-        if self.device is not None:
-            self.device.close()
+        for transport in self.device:
+            transport.close()
         if self.guard is not None:
             self.guard.close()
         if broken:
             return
-        for backend in self.backends:
-            backend.close()
+        for transport in self.transports:
+            transport.close()
+        if self.topology is not None:
+            self.topology.free()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 

@@ -1,19 +1,23 @@
-"""Where ranks live: node communicators, local rank, node index.
+"""Where each rank lives: its node (real or pretend), the cross-node ranks and the machine's cores.
 
 ``node_layout(comm)`` splits a communicator by shared memory
-(``Split_type(COMM_TYPE_SHARED)``). For testing multi-node logic on one
-machine, ``pretend_nodes=K`` (or ``MPISTRAT_PRETEND_NODES=K``) instead cuts the
-ranks into K contiguous blocks, each treated as a node.
+(``Split_type(COMM_TYPE_SHARED)``); ``pretend_nodes=K`` (``MPISTRAT_PRETEND_NODES``)
+instead cuts the ranks into K contiguous blocks, each treated as a node, so
+multi-node paths run on one machine. :func:`topology` makes the one split a
+communicator uses for everything: nodes, the machine's ranks and cores, and
+how its waits poll (:class:`~mpistrat.comm.runtime.waiter.Waiter`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
-__all__ = ["NodeLayout", "node_layout", "pretend_nodes_from_env"]
+from mpistrat import config
+from mpistrat.comm.runtime.waiter import Waiter, default_spin, default_yields, ranks_outnumber_cores
+
+__all__ = ["NodeLayout", "Topology", "node_layout", "resolve_pretend_nodes", "topology"]
 
 
 @dataclass
@@ -34,13 +38,6 @@ class NodeLayout:
     local_size: int
     pretend: bool
 
-    @property
-    def uniform(self) -> bool:
-        """Whether every node has the same number of ranks."""
-        return self.comm.Get_size() == self.local_size * self.num_nodes and self._sizes_equal
-
-    _sizes_equal: bool = True
-
     def free(self) -> None:
         """Free the communicators this layout created."""
         for c in (self.cross_comm, self.node_comm):
@@ -49,26 +46,12 @@ class NodeLayout:
         self.node_comm = self.cross_comm = MPI.COMM_NULL
 
 
-def pretend_nodes_from_env() -> int | None:
-    """``MPISTRAT_PRETEND_NODES`` as an int, or None when unset/empty."""
-    text = os.environ.get("MPISTRAT_PRETEND_NODES", "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"MPISTRAT_PRETEND_NODES must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"MPISTRAT_PRETEND_NODES must be a positive integer, got {value}")
-    return value
-
-
 def resolve_pretend_nodes(size: int, pretend_nodes: int | None) -> int | None:
     """The pretend node count for a communicator of ``size`` ranks (no MPI call): ``pretend_nodes``,
     else ``MPISTRAT_PRETEND_NODES`` capped at ``size``; ValueError for an explicit count above ``size``."""
     if pretend_nodes is None:
-        env = pretend_nodes_from_env()
-        return None if env is None else min(env, size)  # the env applies to sub-communicators too
+        env = config.get("pretend_nodes")
+        return None if env is None else min(env, size)  # the setting applies to sub-communicators too
     if pretend_nodes > size:
         raise ValueError(f"pretend_nodes={pretend_nodes} is more than the {size} ranks of the communicator")
     return pretend_nodes
@@ -95,7 +78,6 @@ def node_layout(comm: MPI.Comm | None = None, pretend_nodes: int | None = None) 
     leader_ranks = sorted(r for r in leaders if r >= 0)
     my_leader = node_comm.bcast(rank if local_rank == 0 else None, root=0)
     node_index = leader_ranks.index(my_leader)
-    sizes = comm.allgather(local_size)
     cross_comm = comm.Split(color=local_rank, key=node_index)
     return NodeLayout(
         comm=comm,
@@ -106,5 +88,43 @@ def node_layout(comm: MPI.Comm | None = None, pretend_nodes: int | None = None) 
         local_rank=local_rank,
         local_size=local_size,
         pretend=pretend_nodes is not None,
-        _sizes_equal=len(set(sizes)) == 1,
     )
+
+
+@dataclass
+class Topology:
+    """A communicator's one split: its nodes, and the machine its waits share cores on.
+
+    ``machine_size``: the ranks of ``comm`` on this machine (pretend nodes share
+    it); ``oversubscribed``: they outnumber the cores they may run on together.
+    """
+
+    layout: NodeLayout
+    machine_size: int
+    oversubscribed: bool
+    waiter: Waiter
+
+    @property
+    def one_machine(self) -> bool:
+        """Whether every rank of the communicator is on this machine."""
+        return self.machine_size == self.layout.comm.Get_size()
+
+    def free(self) -> None:
+        """Free the layout's communicators."""
+        self.layout.free()
+
+
+def topology(comm: MPI.Comm, pretend_nodes: int | None = None) -> Topology:
+    """Split ``comm`` once (collective): its node layout, the machine's ranks and cores, the waiter."""
+    layout = node_layout(comm, pretend_nodes)
+    if not layout.pretend:  # the node is the machine
+        machine_size, oversubscribed = layout.local_size, ranks_outnumber_cores(layout.node_comm)
+    else:
+        machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            machine_size, oversubscribed = machine.Get_size(), ranks_outnumber_cores(machine)
+        finally:
+            machine.Free()
+    # The machine's ranks, not its pretend node's, compete for its cores.
+    waiter = Waiter(default_spin(machine_size), default_yields(oversubscribed))
+    return Topology(layout, machine_size, oversubscribed, waiter)

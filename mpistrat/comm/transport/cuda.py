@@ -1,15 +1,11 @@
-"""CUDA-aware MPI detection, device-buffer helpers and pinned host staging.
+"""The device transport: CuPy buckets through MPI, CUDA-aware when the library is, else via pinned host memory.
 
-* :func:`mpi_cuda_support` asks the loaded MPI library
-  (``MPIX_Query_cuda_support``, exported by MPICH and Open MPI) through
-  ctypes; the library is the ``libmpi`` that mpi4py loaded, found in
-  ``/proc/self/maps``. ``MPISTRAT_CUDA_AWARE=1``/``0`` forces the answer.
-* :func:`is_device_buffer` / :func:`synchronize_producer`: objects exposing
-  ``__cuda_array_interface__`` (CuPy arrays and others); the producer's
-  stream is synchronised before MPI touches the memory.
-* :class:`PinnedStaging`: reusable page-locked host buffers
-  (``cupy.cuda.alloc_pinned_memory``) for MPI without CUDA support; they
-  grow on demand and are never allocated per call.
+:func:`mpi_cuda_support` asks the loaded MPI library
+(``MPIX_Query_cuda_support``, exported by MPICH and Open MPI) through ctypes;
+the library is the ``libmpi`` that mpi4py loaded, found in
+``/proc/self/maps``. ``MPISTRAT_CUDA_AWARE`` forces the answer. Without
+CUDA support a bucket goes through reusable page-locked host buffers
+(:class:`PinnedStaging`), never allocated per call.
 """
 
 from __future__ import annotations
@@ -20,18 +16,15 @@ import os
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
-__all__ = [
-    "CUDA_AWARE_ENV",
-    "mpi_cuda_support",
-    "loaded_mpi_library",
-    "is_device_buffer",
-    "is_cupy_array",
-    "synchronize_producer",
-    "PinnedStaging",
-]
+from mpistrat import config
+from mpistrat.comm.transport.base import AgreementHook, Transport, TransportContext
+from mpistrat.comm.transport.buffers import GrowableBuffers
+from mpistrat.devices import synchronize_producer
+from mpistrat.ops import mpi_op
 
-CUDA_AWARE_ENV = "MPISTRAT_CUDA_AWARE"
+__all__ = ["DeviceMpiTransport", "PinnedStaging", "loaded_mpi_library", "mpi_cuda_support"]
 
 
 def loaded_mpi_library() -> str | None:
@@ -74,43 +67,72 @@ def mpi_cuda_support() -> bool | None:
     library's ``MPIX_Query_cuda_support()`` answers, and None means unknown
     (the query is not exported).
     """
-    forced = os.environ.get(CUDA_AWARE_ENV, "").strip().lower()
-    if forced in ("1", "true", "yes", "on"):
-        return True
-    if forced in ("0", "false", "no", "off"):
-        return False
-    if forced:
-        raise ValueError(f"{CUDA_AWARE_ENV} must be 1 or 0, got {forced!r}")
-    return _query_library()
+    forced = config.get("cuda_aware")
+    return _query_library() if forced is None else forced
 
 
-def is_cupy_array(x: Any) -> bool:
-    """Whether ``x`` is a CuPy ndarray (without importing CuPy)."""
-    return type(x).__module__.startswith("cupy") and hasattr(x, "__cuda_array_interface__")
+class DeviceMpiTransport(Transport):
+    """CuPy buckets over MPI: CUDA-aware when ``cuda_aware``, else host-staged.
 
-
-def is_device_buffer(x: Any) -> bool:
-    """Whether ``x`` exposes ``__cuda_array_interface__`` (device memory)."""
-    return not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__")
-
-
-def synchronize_producer(x: Any) -> None:
-    """Wait until the work producing ``x`` on its stream has finished.
-
-    CuPy arrays: the current stream is synchronised. Other producers: the
-    ``stream`` of their ``__cuda_array_interface__`` (version 3), if given.
+    Host staging copies the bucket into a reusable pinned buffer, reduces it
+    there with ``Allreduce(IN_PLACE)`` and copies it back.
     """
-    if is_cupy_array(x):
+
+    name = "device-mpi"
+
+    def __init__(self, comm: MPI.Comm, cuda_aware: bool) -> None:
+        self.comm = comm
+        self.cuda_aware = bool(cuda_aware)
+        self.label = "cuda-aware-mpi" if self.cuda_aware else "host-staged-mpi"
+        self._buffers = GrowableBuffers(self._device_empty)
+        self._staging = PinnedStaging()
+
+    @classmethod
+    def create(cls, ctx: TransportContext) -> "DeviceMpiTransport":
+        """The transport-table factory."""
+        return cls(ctx.comm, bool(mpi_cuda_support()))
+
+    @staticmethod
+    def _device_empty(count: int, dtype: np.dtype) -> Any:
         import cupy  # noqa: PLC0415
 
-        cupy.cuda.get_current_stream().synchronize()
-        return
-    stream = x.__cuda_array_interface__.get("stream")
-    if stream is None or stream in (0,):
-        return  # no stream given / legacy default stream semantics
-    import cupy  # noqa: PLC0415
+        return cupy.empty(count, dtype=dtype)
 
-    cupy.cuda.ExternalStream(int(stream)).synchronize()
+    def enabled(self, nbytes: int, dtype: np.dtype, op: str) -> bool:
+        """Always (the device fallback)."""
+        return True
+
+    def pack_buffer(self, count: int, dtype: np.dtype) -> Any:
+        """This dtype's reusable device buffer, ``count`` items."""
+        return self._buffers.get(count, dtype)
+
+    def allreduce_packed(self, count: int, dtype: np.dtype, op: str, hook: AgreementHook, out: Any = None) -> Any:
+        """Reduce the packed device buffer into ``out``, or in place (then the buffer is returned)."""
+        buf = self._buffers.get(count, dtype)
+        if out is None:
+            self.allreduce_array(MPI.IN_PLACE, buf, op, hook)
+            return buf
+        self.allreduce_array(buf, out, op, hook)
+        return out
+
+    def allreduce_array(self, src: Any, dst: Any, op: str, hook: AgreementHook) -> None:
+        """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``."""
+        source = dst if src is MPI.IN_PLACE else src
+        if self.cuda_aware:
+            synchronize_producer(source)
+            hook.staged()
+            self.comm.Allreduce(src, dst, mpi_op(op))
+            return
+        host = self._staging.get(dst.size, dst.dtype)
+        source.reshape(-1).get(out=host)  # synchronous device-to-host copy
+        hook.staged()
+        self.comm.Allreduce(MPI.IN_PLACE, host, mpi_op(op))
+        dst.reshape(-1).set(host)
+
+    def close(self) -> None:
+        """Drop the device and pinned buffers."""
+        self._buffers.clear()
+        self._staging.close()
 
 
 class PinnedStaging:

@@ -1,153 +1,100 @@
-"""All-reduce through a node-wide shared-memory window, hierarchical across nodes.
+"""The shared-memory transport: all-reduce through a node-wide window, hierarchical across nodes.
 
-``ShmAllreduceBackend`` implements the ``AllreduceBackend`` protocol of
-``docs/internals.md``. The caller packs its data straight into this rank's
-segment of one shared window per node (``pack_buffer``), then
-``allreduce_packed``:
+The caller packs its data straight into this rank's segment of one shared
+window per node (``pack_buffer``), then ``allreduce_packed``:
 
 1. synchronise the node (everyone has packed);
 2. reduce-scatter: node rank i sums slice i of the bucket across all the
    node's segments, in cache-sized blocks, always in local-rank order
-   ``((s0 + s1) + s2) + ...`` (so every slice is summed the same way), and
-   writes it into slice i of its own segment;
+   ``((s0 + s1) + s2) + ...`` (so every slice, on every path, is summed the
+   same way), and writes it into slice i of its own segment;
 3. across nodes (hierarchical): node rank i all-reduces its slice with MPI
    over ``cross_comm`` (the ranks with the same local rank on every node),
-   non-blocking, polled with the same spin-then-yield policy as the node
-   synchronisation (MPICH's blocking wait busy-polls and starves the ranks it
-   waits for when ranks outnumber cores: 2 ms per call at 4 ranks on 2 cores);
-   then (on one node, block by block right after step 2) node rank i pushes
-   its reduced slice into slice i of every other rank's segment;
+   non-blocking, polled by the topology's waiter (MPI's blocking wait never
+   yields); then (on one node, block by block right after step 2) node rank i
+   pushes its reduced slice into slice i of every other rank's segment;
 4. synchronise the node again; every rank reads the whole result from its
-   own segment: one piece ``(0, view)``.
+   own segment.
 
-Why push, not let every rank read the owners' slices: a cache line that
-another core has only read must be invalidated there before this core
-writes it again, and on this project's VM that cost 0.42 ms per MiB in some
-runs (against 0.04 ms for a line the other core last wrote). Pushed, every
-line of a segment is last written by the core that reads it next or read by
-the core that writes it next: the owner reads slice i of segment j (written
-by rank j), then writes it; rank j reads it from its own segment, then packs
-into it. 2 ranks, 1 MiB: 85 against 104 us; 4 ranks, 1 MiB: 371 against 477
-us (one synchronisation and a sum of every segment by every rank).
+Push, don't pull: a cache line another core has only read must be
+invalidated there before this core writes it again, so every line of a
+segment is last written by the core that reads it next or read by the core
+that writes it next.
 
-Why two synchronisations suffice, with one bucket: a rank packs its segment
-for the next call only after this call's second synchronisation, which every
-rank reaches only after it has finished reading the segments (in step 2 only
-the owner of slice i reads slice i of any segment, and it pushes into a block
-only after summing it); it reads its own result from its segment before it
-packs again, and owners push into it only after the next call's first
-synchronisation. Pieces are therefore valid until the next ``pack_buffer``.
-Two buckets alternate only after a one-synchronisation reduce (below), where
-a fast rank may pack again while a slow one still reads every segment.
-Staying on one bucket otherwise keeps the memory a run of calls touches at
-one bucket, not two.
-Nodes of different sizes work too: slices are owned by the first P local
-ranks of each node, P the smallest node's size.
+Two synchronisations suffice with one bucket: a rank packs its segment for
+the next call only after this call's second synchronisation, which every
+rank reaches only after it has finished reading the segments; owners push
+into a segment only after the next call's first synchronisation. Results are
+therefore valid until the next ``pack_buffer``. Two buckets alternate only
+after a one-synchronisation reduce (on one node, buckets up to
+``direct_max_bytes``: every rank sums all segments straight into its
+output, in the same order), where a fast rank may pack again while a slow
+one still reads every segment. Nodes of different sizes work too: slices are
+owned by the first P local ranks of each node, P the smallest node's size.
 
-Results wanted in private memory (what the communicator hands out) skip the
-pieces: ``allreduce_packed_to(count, dtype, op, out)``, and
-``allreduce_array(src, dst, op)`` for one contiguous array (no caller-side
-packing). On one node, buckets up to ``direct_max_bytes`` need one
-synchronisation, not two: every rank sums all segments straight into its
-output, in the reduce-scatter's order (the same bits on every rank and on both
-paths). Otherwise the reduce-scatter above runs and the pieces are copied out,
-except into ``allreduce_array``'s result blocks in shared memory
-(``result_blocks``, shm_results): owners push into those directly.
-
-Buckets bigger than the window: the window grows (a collective reallocation,
-to the next power of two, at most ``max_bytes`` per bucket) inside
-``pack_buffer``, which every rank calls with the same count. Buckets above
-``max_bytes`` are not enabled (``enabled`` is False, ``pack_buffer`` raises):
-the caller splits them (``bytes_per_pack``) or uses plain MPI.
-
-Path choice: ``enabled(nbytes, ...)`` is True for ``min_bytes <= nbytes <=
-max_bytes``. ``min_bytes`` is measured at start-up (``shm_calibration``: raw
-``Allreduce`` against this path at 16 KiB..4 MiB; the smallest size from which
-this path wins at every larger measured size, decided on rank 0 and
-broadcast), unless given.
-
-Environment knobs (constructor arguments override them):
-
-* ``MPISTRAT_SHM_MIN_BYTES``: smallest bucket to take this path (bytes, K/M/G
-  suffixes allowed; ``0`` takes it for every size), ``off`` (never), or
-  ``auto`` (default: measured at start-up, once per process and rank set).
-* ``MPISTRAT_SHM_MAX_BYTES``: largest bucket, per rank (default 64M). The
-  window takes ``2 x`` this per rank at most (two buckets; one across nodes,
-  where no reduce takes one synchronisation).
-* ``MPISTRAT_SHM_BLOCK_BYTES``: reduction block per segment (default 256K).
-* ``MPISTRAT_SHM_CHUNK_BYTES``: ``allreduce_array`` reduces longer arrays
-  chunk by chunk, two synchronisations per chunk, so each chunk stays in
-  cache; ``0`` never; default 1 MiB (shm_settings.DEFAULT_CHUNK_BYTES); ``auto``: at the first array of at least
-  4 MiB, 1 MiB chunks are measured against one pass on that array (at most
-  16 MiB of it; once per process and rank set),
-  and chunks are cut only where they won (on an idle 2-core VM, 2 ranks:
-  16 MiB 1.3-1.4x faster; where every synchronisation costs a scheduler slice,
-  chunks lose and are not used).
-* ``MPISTRAT_SHM_SYNC``: ``barrier``, ``counter`` or ``auto`` (default, which
-  is ``counter``: measured as fast or faster than ``Barrier`` at every size,
-  at 2 and 4 ranks; only ``counter`` honours ``timeout_seconds``).
-* ``MPISTRAT_PRETEND_NODES``: cut the ranks into K pretend nodes (tests).
-* For the plain MPI path above 32 MiB (outside this backend): ``MALLOC_MMAP_MAX_=0
-  MALLOC_TRIM_THRESHOLD_=4294967296`` (2-3x faster at 64 MiB: no mmap per call).
+``allreduce_array`` reduces one contiguous array without caller-side packing,
+chunk by chunk above ``chunk_bytes`` so each chunk stays in cache, and writes
+results straight into shared result blocks (``result_blocks``, results.py)
+where the caller took one. The window grows collectively (to the next power of
+two, at most ``max_bytes`` per bucket) inside ``pack_buffer``; larger buckets
+are not enabled. ``min_bytes`` (``MPISTRAT_SHM_MIN_BYTES``) defaults to a rule,
+never a measurement, since the choice between this path and MPI's decides the
+order in which values are summed: 16 KiB, 64 KiB where the machine's ranks
+outnumber its cores (benchmarks/README.md has the measurements).
 """
 
 from __future__ import annotations
 
 import atexit
-import time
 import weakref
-from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.transport.shm import calibration as shm_calibration
+from mpistrat import ops
 from mpistrat.comm.errors import allgather_checked
-from mpistrat.comm.runtime.waiter import default_spin, default_yields, pause, ranks_outnumber_cores, reads_clock
-from mpistrat.comm.transport.shm.calibration import AUTO_CHUNK_BYTES
+from mpistrat.comm.options import CommunicationImplementation
+from mpistrat.comm.runtime.shm_window import PAGE_SIZE, NodeSync, SharedWindow, exiting_cleanly, make_sync
+from mpistrat.comm.runtime.topology import NodeLayout, Topology, resolve_pretend_nodes, topology as make_topology
+from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
+from mpistrat.comm.transport.buffers import GrowableBuffers
+from mpistrat.comm.transport.shm import calibration
 from mpistrat.comm.transport.shm.plan import ReducePlan, make_plan
 from mpistrat.comm.transport.shm.results import PRIVATE, SLOTS, ResultBlocks, SharedResults
-from mpistrat.comm.transport.shm.settings import agree_settings, parse_bytes, read_settings
-from mpistrat.comm.transport.shm.window import PAGE_SIZE, NodeSync, SharedWindow, exiting_cleanly, make_sync
-from mpistrat.comm.runtime.topology import NodeLayout, node_layout, resolve_pretend_nodes
+from mpistrat.comm.transport.shm.settings import agree_settings, read_settings
 
 __all__ = [
-    "ShmAllreduceBackend",
+    "ShmTransport",
     "DIRECT_MAX_BYTES",
     "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
-    "AUTO_CHUNK_BYTES",
+    "MIN_BYTES",
+    "MIN_BYTES_OVERSUBSCRIBED",
     "SUPPORTED_DTYPES",
-    "SUPPORTED_OPS",
-    "parse_bytes",
 ]
 
-SUPPORTED_OPS = ("sum", "min", "max")
-_UFUNCS = {"sum": np.add, "min": np.minimum, "max": np.maximum}
-_MPI_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 SUPPORTED_DTYPES = frozenset(
     np.dtype(t)
     for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64")
 )
 _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum only
 
+# The smallest bucket this path takes by default (MPISTRAT_SHM_MIN_BYTES=auto): below it MPI's own
+# shared-memory all-reduce is faster. A fixed rule, not a measurement: the choice decides the order
+# in which values are summed, so it must not change with the machine's load.
+MIN_BYTES = 16 << 10
+MIN_BYTES_OVERSUBSCRIBED = 64 << 10
+
 _INITIAL = 1 << 20
-# allreduce_packed_to on one node: up to this size every rank sums all segments after one
-# synchronisation; above it the reduce-scatter (two synchronisations, 1/n of the additions each).
-# Measured at 2 ranks: one synchronisation wins at 16 KiB (8.2 against 9.4 us) and 4 MiB, the
-# reduce-scatter at 256 KiB-2 MiB (1 MiB: 108 against 138 us; bound to one core each, 512 KiB:
-# 1.27-1.29x raw against 1.05x).
+# On one node, buckets up to this size take one synchronisation (every rank sums every segment);
+# above it the reduce-scatter (two synchronisations, 1/n of the additions each).
 DIRECT_MAX_BYTES = 64 << 10
-# With the pushed reduce-scatter, 4 ranks on 2 cores, in the VM's quick mode: one synchronisation
-# wins at 64 KiB (54-57 against 75-82 us), is about even at 256 and 512 KiB (117-123 against 125-129,
-# 189-200 against 192-198 us) and loses from 1 MiB (387-454 against 352-417 us). In its slow mode,
-# where writing lines other cores read costs 0.4 ms per MiB, every rank reading every segment loses
-# more: so the reduce-scatter from above 256 KiB.
+# Where ranks outnumber cores a synchronisation costs more than the additions it saves: larger.
 DIRECT_MAX_BYTES_OVERSUBSCRIBED = 256 << 10
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
 
 
-def _close_at_exit(ref: "weakref.ref[ShmAllreduceBackend]") -> None:
+def _close_at_exit(ref: "weakref.ref[ShmTransport]") -> None:
     backend = ref()
     if backend is not None and exiting_cleanly():
         backend.close()
@@ -163,30 +110,26 @@ def _sum_segments(ufunc: np.ufunc, views: list[np.ndarray], start: int, end: int
         ufunc(out, view[start:end], out=out)
 
 
-class ShmAllreduceBackend:
-    """All-reduce of packed buckets through a node shared-memory window.
+class ShmTransport(Transport):
+    """All-reduce of host buckets through a node shared-memory window (collective to create).
 
-    Collective over ``comm`` (default ``COMM_WORLD``). ``pretend_nodes`` cuts
-    the ranks into pretend nodes (default from ``MPISTRAT_PRETEND_NODES``,
-    capped at the communicator's size).
+    ``topology``: the communicator's split (made here, and freed by ``close``,
+    when not given); ``pretend_nodes`` cuts the ranks into pretend nodes then.
     ``min_bytes=0`` enables it for every size (what forcing it means).
-    ``timeout_seconds`` bounds the node synchronisation (``counter`` sync).
-    ``pack_buffer``, ``allreduce_packed`` and ``close`` are collective and
-    every rank must pass the same count, dtype and op.
+    ``timeout_seconds`` bounds every wait. Keyword arguments override the
+    ``MPISTRAT_SHM_*`` settings; the ranks agree on the result.
     """
 
     name = "shm"
-    stages_locally = True  # backends.stages_locally: no collective before ready for a size seen before
-    # allreduce_steps.folds_sync: when ``ready`` returns True, every rank has staged (ready was the
-    # agreement check, posted after staging): the first node synchronisation is skipped.
-    folds_sync = True
+    folds_agreement = True
 
     def __init__(
         self,
         comm: MPI.Comm | None = None,
         *,
+        topology: Topology | None = None,
         pretend_nodes: int | None = None,
-        min_bytes: int | None = None,
+        min_bytes: int | str | None = None,
         max_bytes: int | None = None,
         block_bytes: int | None = None,
         chunk_bytes: int | str | None = None,
@@ -197,34 +140,28 @@ class ShmAllreduceBackend:
         error = None
         mine = None
         try:  # every per-rank check before the first collective, so a bad value on one rank cannot hang the rest
-            pretend_nodes = resolve_pretend_nodes(comm.Get_size(), pretend_nodes)
+            if topology is None:
+                pretend_nodes = resolve_pretend_nodes(comm.Get_size(), pretend_nodes)
             mine = read_settings(max_bytes, block_bytes, chunk_bytes, min_bytes, sync)
         except (ValueError, TypeError) as exc:
             error = exc
         # What every rank uses: ranks whose settings differ would take different paths and never meet.
-        agreed = agree_settings(allgather_checked(comm, mine, error, "ShmAllreduceBackend"))
+        agreed = agree_settings(allgather_checked(comm, mine, error, "ShmTransport"))
         self.max_bytes, self.block_bytes, self.sync_kind = agreed.max_bytes, agreed.block_bytes, agreed.sync
-        self.layout: NodeLayout | None = node_layout(comm, pretend_nodes)
+        self._owns_topology = topology is None
+        self.topology: Topology | None = make_topology(comm, pretend_nodes) if topology is None else topology
+        self.layout: NodeLayout | None = self.topology.layout
         lay = self.layout
         # Slice owners: local ranks [0, P) of every node, P the smallest node.
         self.owners = lay.comm.allreduce(lay.local_size, op=MPI.MIN)
-        # Ranks sharing this machine's cores (pretend nodes share them too).
-        machine = lay.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.spin = default_spin(machine.Get_size())
-        oversubscribed = ranks_outnumber_cores(machine)
-        self.yields = default_yields(oversubscribed)  # then sleep per poll (polling: yields may not switch)
-        machine.Free()
-        # One node: buckets up to this size take one synchronisation (allreduce_packed_to).
+        self.waiter = self.topology.waiter
+        oversubscribed = self.topology.oversubscribed
         direct = DIRECT_MAX_BYTES_OVERSUBSCRIBED if oversubscribed else DIRECT_MAX_BYTES
         pushes = lay.num_nodes == 1 and lay.local_size > 1  # owners push results into every segment
         self.direct_max_bytes = direct if pushes else -1
-        # allreduce_array's results in shared memory, written by the owners (shm_results).
+        # allreduce_array's results in shared memory, written by the owners (results.py).
         self.result_blocks = ResultBlocks(lay.node_comm, pushes, self.direct_max_bytes, SLOTS * self.max_bytes)
-        # allreduce_array of a long array, chunk by chunk, so each chunk's copy in, sum and copy out stay
-        # in cache (2 ranks, 16 MiB in 2 MiB chunks: 2.2-2.9 instead of 3.6-4.5 ms in most runs; 2x slower
-        # than raw MPI where every synchronisation cost a scheduler slice). Default a fixed 1 MiB
-        # (shm_settings.DEFAULT_CHUNK_BYTES), which won in both modes; ``auto`` measures (_chunk_items).
-        self.chunk_bytes: int | None = agreed.chunk_bytes
+        self.chunk_bytes: int | None = agreed.chunk_bytes  # None: measured at the first long array
         self.chunk_calibration: list[tuple[int, float, float]] = []  # (bytes, one pass s, chunked s)
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
@@ -232,26 +169,37 @@ class ShmAllreduceBackend:
         self._capacity = 0  # bytes per bucket per rank
         self._views: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
         self._tmp: dict[np.dtype, np.ndarray] = {}
+        self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._plans: dict[tuple[int, np.dtype, int], ReducePlan] = {}
         self._bucket = 0
         self._pending: tuple[int, np.dtype] | None = None
         self._closed = False
-        self.calibration: list[tuple[int, float, float]] = []
         if agreed.min_bytes is not None:
             self.min_bytes = agreed.min_bytes
         elif self.owners < 2:
             self.min_bytes = self.max_bytes + 1  # one rank per node: nothing to share, plain MPI
         else:
-            self.min_bytes = shm_calibration.measure_threshold(self)
+            self.min_bytes = MIN_BYTES_OVERSUBSCRIBED if oversubscribed else MIN_BYTES
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    # -- protocol -----------------------------------------------------------
+    @classmethod
+    def create(cls, ctx: TransportContext) -> "ShmTransport | None":
+        """The transport-table factory: None where no bucket could take this path (one rank per node)."""
+        forced = ctx.options.implementation == CommunicationImplementation.SHM
+        transport = cls(ctx.comm, topology=ctx.topology, min_bytes=0 if forced else None,
+                        timeout_seconds=ctx.timeout)
+        if not forced and transport.min_bytes > transport.max_bytes:
+            transport.close()
+            return None
+        return transport
+
+    # -- the transport contract ------------------------------------------------
     def enabled(self, nbytes: int, dtype: np.dtype, op: str) -> bool:
-        """Whether this backend takes a bucket of ``nbytes`` of ``dtype`` and ``op``."""
+        """Whether this transport takes a bucket of ``nbytes`` of ``dtype`` with wire op ``op``."""
         if self._closed or not (self.min_bytes <= nbytes <= self.max_bytes):
             return False
         dtype = np.dtype(dtype)
-        return op in _UFUNCS and (dtype in SUPPORTED_DTYPES or (op == "sum" and dtype in _COMPLEX))
+        return op in ops.WIRE_OPS and (dtype in SUPPORTED_DTYPES or (op == "sum" and dtype in _COMPLEX))
 
     def pack_buffer(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A 1-D view of ``count`` items in this rank's segment, to pack into."""
@@ -260,7 +208,7 @@ class ShmAllreduceBackend:
         nbytes = count * dtype.itemsize
         if count < 0 or nbytes > self.max_bytes:
             raise ValueError(
-                f"ShmAllreduceBackend.pack_buffer: {count} x {dtype} = {nbytes} bytes is outside "
+                f"ShmTransport.pack_buffer: {count} x {dtype} = {nbytes} bytes is outside "
                 f"[0, max_bytes={self.max_bytes}]; split the bucket or use plain MPI"
             )
         self._ensure_capacity(nbytes)
@@ -268,31 +216,56 @@ class ShmAllreduceBackend:
         return self._typed(self._bucket, dtype)[self._local_rank()][:count]
 
     def allreduce_packed(
-        self, count: int, dtype: np.dtype, op: str, synced: bool = False
-    ) -> list[tuple[int, np.ndarray]]:
-        """Reduce what every rank packed; pieces ``(start, view)`` covering ``[0, count)``.
+        self, count: int, dtype: np.dtype, op: str, hook: AgreementHook = NO_AGREEMENT, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Reduce what every rank packed into ``out`` (1-D, private memory), or, when None, into
+        memory this transport owns (valid until the next ``pack_buffer``); returns it.
 
-        ``synced``: every rank of the node is known to have packed (a ``ready`` that returned True):
-        the first synchronisation is skipped. Every rank must pass the same value.
+        Up to ``direct_max_bytes``: one synchronisation, then each rank sums every segment into
+        the result. Otherwise the reduce-scatter (module docstring), whose result is this rank's
+        own segment (copied into ``out`` when given).
         """
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
-        return self._reduce_scatter(count, dtype, ufunc, op, synced=synced)
+        synced = self._staged(hook)
+        if count * dtype.itemsize <= self.direct_max_bytes:
+            result = self._scratch.get(count, dtype) if out is None else out
+            self._sum_all(count, dtype, ufunc, result, synced)
+            return result
+        reduced = self._reduce_scatter(count, dtype, ufunc, op, synced=synced)
+        if out is None:
+            return reduced
+        np.copyto(out, reduced)
+        return out
+
+    def _sum_all(self, count: int, dtype: np.dtype, ufunc: np.ufunc, out: np.ndarray, synced: bool) -> None:
+        """The one-synchronisation reduce: every rank sums every segment into ``out``."""
+        if count == 0:
+            return
+        views = self._typed(self._bucket, dtype)
+        assert self._sync is not None
+        if not synced:
+            self._sync.wait()
+        _sum_segments(ufunc, views, 0, count, out)
+        # No second synchronisation: a rank packs this bucket again at the earliest two calls
+        # later, with at least one synchronisation between, which every rank reaches only once
+        # it has finished reading here (two-synchronisation calls stay on the other bucket).
+        self._bucket ^= 1
 
     def _reduce_scatter(
         self, count: int, dtype: np.dtype, ufunc: np.ufunc, op: str, own: np.ndarray | None = None,
         synced: bool = False, shared: SharedResults | None = None, offset: int = 0,
-    ) -> list[tuple[int, np.ndarray]]:
-        """Steps 1-4 above. ``own``: this rank's data in private memory, read
-        for its own slice instead of its segment (which then need not hold it).
-        ``synced``: step 1's synchronisation already happened (see allreduce_packed).
-        ``shared`` (with ``own``, on one node): the ranks' published result blocks, written from item
-        ``offset`` instead of the window segments of the ranks that published one."""
-        if count == 0:
-            return []
+    ) -> np.ndarray:
+        """Steps 1-4 of the module docstring; the result, a view of this rank's segment. ``own``: this
+        rank's data in private memory, read for its own slice instead of its segment (which then need
+        not hold it). ``synced``: step 1's synchronisation already happened (the agreement check stood
+        for it). ``shared`` (with ``own``, on one node): the ranks' published result blocks, written from
+        item ``offset`` instead of the window segments of the ranks that published one."""
         key = (self._bucket, dtype, count)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._make_plan(key)
+        if count == 0:
+            return plan.result
         sync = self._sync
         assert sync is not None
         if not synced:
@@ -319,66 +292,37 @@ class ShmAllreduceBackend:
                 copyto(target, dst)
         if plan.cross is not None:
             assert self.layout is not None
-            self._wait(self.layout.cross_comm.Iallreduce(MPI.IN_PLACE, plan.cross, op=_MPI_OPS[op]))
+            self._wait(self.layout.cross_comm.Iallreduce(MPI.IN_PLACE, plan.cross, op=ops.mpi_op(op)))
             for target in plan.cross_targets:
                 copyto(target, plan.cross)
         sync.wait()  # the same bucket next time: every rank has read the segments (module docstring)
-        return list(plan.pieces)
-
-    def allreduce_packed_to(self, count: int, dtype: np.dtype, op: str, out: np.ndarray, synced: bool = False) -> None:
-        """Reduce what every rank packed straight into ``out`` (1-D, ``count`` items, private memory).
-
-        Up to ``direct_max_bytes``: one synchronisation, then each rank sums
-        all segments into ``out`` (no copy out of the window). Otherwise the
-        reduce-scatter of :meth:`allreduce_packed`, then the pieces are copied
-        into ``out``. ``synced``: as in :meth:`allreduce_packed` (then no synchronisation at all
-        up to ``direct_max_bytes``).
-        """
-        if count * np.dtype(dtype).itemsize > self.direct_max_bytes:
-            for start, piece in self.allreduce_packed(count, dtype, op, synced):
-                out[start : start + piece.shape[0]] = piece
-            return
-        ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed_to")
-        if count == 0:
-            return
-        views = self._typed(self._bucket, dtype)
-        assert self._sync is not None
-        if not synced:
-            self._sync.wait()
-        _sum_segments(ufunc, views, 0, count, out)
-        # No second synchronisation: a rank packs this bucket again at the earliest two calls
-        # later, with at least one synchronisation between, which every rank reaches only once
-        # it has finished reading here (two-synchronisation calls stay on the other bucket).
-        self._bucket ^= 1
+        return plan.result
 
     def allreduce_array(
-        self, src: np.ndarray | MPI.BottomType, dst: np.ndarray, op: str, ready: Callable[[], Any] | None = None
+        self, src: np.ndarray | MPI.BottomType, dst: np.ndarray, op: str, hook: AgreementHook = NO_AGREEMENT
     ) -> None:
         """Reduce one C-contiguous array into ``dst`` (``src`` may be ``MPI.IN_PLACE``; collective).
 
-        Up to ``direct_max_bytes``: copied into this rank's segment, then
-        :meth:`allreduce_packed_to`. Above: the reduce-scatter, with only the
-        slices the other ranks sum copied into the segment (this rank's own
-        slice is read from ``src``: at 2 ranks, 1 MiB in 78 instead of 108 us),
-        then the pieces copied into ``dst`` (unless ``dst`` is a shared result block: see
-        ``result_blocks``). With ``chunk_bytes`` set, longer
-        arrays go chunk by chunk, so each chunk stays in cache between its
-        passes, at two synchronisations per chunk (see ``__init__``).
-        ``ready`` is called once this rank's (first chunk's) data is in its
-        segment, before the first synchronisation, and before anything
-        collective: the window never grows or measures after it is called.
+        Up to ``direct_max_bytes``: copied into this rank's segment, then every rank sums every
+        segment. Above: the reduce-scatter, with only the slices the other ranks sum copied into
+        the segment (this rank's own slice is read from ``src``), then the result copied into
+        ``dst`` (unless ``dst`` is a shared result block: see ``result_blocks``). With
+        ``chunk_bytes`` set, longer arrays go chunk by chunk, so each chunk stays in cache between
+        its passes, at two synchronisations per chunk. The hook is told once this rank's (first
+        chunk's) data is in its segment, or before staging when the window must grow or chunks be
+        measured first (both collective).
         """
         source = (dst if src is MPI.IN_PLACE else src).reshape(-1)
         out = dst.reshape(-1)
         count, dtype = out.shape[0], out.dtype
-        if ready is not None and not self._staged_without_collectives(count, dtype):
-            ready(False)  # before staging (the window grows, or chunks are measured): not staged first
-            ready = None
+        if hook is not NO_AGREEMENT and not self._staged_without_collectives(count, dtype):
+            hook.staged(first=False)
+            hook = NO_AGREEMENT
         shared = self.result_blocks.make(count, dtype)
         if shared is not None:  # in place, dst may be a held block: PRIVATE (sums would clobber the source)
             shared.publish(shared.slot_of(dst) if src is not MPI.IN_PLACE else PRIVATE)
         try:
-            self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), ready, shared)
+            self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), hook, shared)
         except BaseException:
             if shared is not None:
                 shared.retire()  # a late owner may still write into it: never hand it out again
@@ -388,26 +332,26 @@ class ShmAllreduceBackend:
         """Whether ``allreduce_array`` of ``count`` items stages its data before any collective call
         (neither growing the window nor measuring chunks first)."""
         nbytes = count * dtype.itemsize
-        measuring = self.chunk_bytes is None and nbytes >= shm_calibration.CHUNK_MEASURE_MIN
+        measuring = self.chunk_bytes is None and nbytes >= calibration.CHUNK_MEASURE_MIN
         if self.chunk_bytes:  # staged chunk by chunk: the window needs to hold one chunk
             nbytes = min(nbytes, self.chunk_bytes // dtype.itemsize * dtype.itemsize)
         return (self._window is not None and nbytes <= self._capacity and not measuring
                 and not self.result_blocks.may_share(count, dtype))
 
     def reduce_in_chunks(
-        self, source: np.ndarray, out: np.ndarray, op: str, chunk: int, ready: Callable[[], Any] | None = None,
+        self, source: np.ndarray, out: np.ndarray, op: str, chunk: int, hook: AgreementHook = NO_AGREEMENT,
         shared: SharedResults | None = None,
     ) -> None:
         """``out = reduce(source)`` of 1-D arrays, ``chunk`` items at a time (0: in one pass; collective).
-        ``ready``: called before the first synchronisation. ``shared``: the result blocks every rank
+        ``hook``: told once the first chunk is staged. ``shared``: the result blocks every rank
         published for this call (``out`` is this rank's, or private if it published PRIVATE)."""
         if 0 < chunk < out.shape[0]:  # the same count and dtype on every rank: the same chunks
             for start in range(0, out.shape[0], chunk):
                 end = start + chunk
-                self._allreduce_contiguous(source[start:end], out[start:end], op, ready, shared, start)
-                ready = None
+                self._allreduce_contiguous(source[start:end], out[start:end], op, hook, shared, start)
+                hook = NO_AGREEMENT
             return
-        self._allreduce_contiguous(source, out, op, ready, shared)
+        self._allreduce_contiguous(source, out, op, hook, shared)
 
     def _chunk_items(self, count: int, dtype: np.dtype) -> int:
         """Items per chunk for an array of ``count`` (0: one pass). When ``chunk_bytes`` was left to
@@ -415,13 +359,18 @@ class ShmAllreduceBackend:
         every rank reduces the same array; the communicator sends every rank's single arrays here,
         whatever their memory layout)."""
         if self.chunk_bytes is None:
-            if self._closed or count * dtype.itemsize < shm_calibration.CHUNK_MEASURE_MIN:
+            if self._closed or count * dtype.itemsize < calibration.CHUNK_MEASURE_MIN:
                 return 0
-            self.chunk_bytes = shm_calibration.measure_chunks(self, count, dtype)
+            assert self.layout is not None
+            lay = self.layout
+            key = (calibration.rank_set_key(lay.comm), lay.num_nodes, lay.local_size, self.owners, self.sync_kind,
+                   self.max_bytes)
+            self.chunk_bytes, self.chunk_calibration = calibration.measure_chunks(
+                lay.comm, key, lambda src, dst, chunk: self.reduce_in_chunks(src, dst, "sum", chunk), count, dtype)
         return self.chunk_bytes // dtype.itemsize
 
     def _allreduce_contiguous(
-        self, source: np.ndarray, out: np.ndarray, op: str, ready: Callable[[], Any] | None = None,
+        self, source: np.ndarray, out: np.ndarray, op: str, hook: AgreementHook = NO_AGREEMENT,
         shared: SharedResults | None = None, offset: int = 0,
     ) -> None:
         """:meth:`allreduce_array` of one 1-D array or chunk (``source`` may be ``out``), items
@@ -430,27 +379,27 @@ class ShmAllreduceBackend:
         buf = self.pack_buffer(count, dtype)
         if count * dtype.itemsize <= self.direct_max_bytes:
             np.copyto(buf, source)
-            self.allreduce_packed_to(count, dtype, op, out, self._staged(ready))
+            ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
+            self._sum_all(count, dtype, ufunc, out, self._staged(hook))
             return
         lo, hi = self._own_slice(count, dtype.itemsize)
         np.copyto(buf[:lo], source[:lo])
         np.copyto(buf[hi:], source[hi:])
-        synced = self._staged(ready)
+        synced = self._staged(hook)
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
-        pieces = self._reduce_scatter(count, dtype, ufunc, op, source, synced, shared, offset)
+        reduced = self._reduce_scatter(count, dtype, ufunc, op, source, synced, shared, offset)
         if shared is not None and shared.published != PRIVATE:
             return  # the owners wrote the result into out
-        for start, piece in pieces:
-            out[start : start + piece.shape[0]] = piece
+        np.copyto(out, reduced)
 
-    def _staged(self, ready: Callable[[], Any] | None) -> bool:
-        """Call ``ready`` (this rank's data is in its segment); whether it synchronised the node
-        (it returned True: every rank had staged), so the next synchronisation is skipped."""
-        if ready is None:
+    def _staged(self, hook: AgreementHook) -> bool:
+        """Tell ``hook`` this rank's data is in its segment; whether the agreement check synchronised
+        the node (every rank had staged), so the next synchronisation is skipped."""
+        if hook is NO_AGREEMENT:
             return False
         assert self._window is not None
-        self._window.sync()  # our stores to the segment before ready's (shared-memory) announcement
-        if ready():
+        self._window.sync()  # our stores to the segment before the check's (shared-memory) announcement
+        if hook.staged():
             self._window.sync()  # and the peers' stores before our loads
             return True
         return False
@@ -470,15 +419,16 @@ class ShmAllreduceBackend:
         pending = self._pending
         if pending is None or pending[0] != count or pending[1] != dtype:
             raise RuntimeError(
-                f"ShmAllreduceBackend.{what}({count}, {dtype}) must follow pack_buffer with the same "
+                f"ShmTransport.{what}({count}, {dtype}) must follow pack_buffer with the same "
                 f"count and dtype (pending: {pending})"
             )
-        ufunc = _UFUNCS.get(op)
-        if ufunc is None:
-            raise ValueError(f"ShmAllreduceBackend: op must be one of {SUPPORTED_OPS}, got {op!r}")
+        wire = ops.WIRE_OPS.get(op)
+        if wire is None:
+            raise ValueError(f"ShmTransport: op must be one of {tuple(ops.WIRE_OPS)}, got {op!r}")
+        ufunc = wire.ufunc
         dtype = pending[1]
         if ufunc is not np.add and dtype in _COMPLEX:
-            raise TypeError(f"ShmAllreduceBackend: dtype {dtype} is not supported for op {op!r}")
+            raise TypeError(f"ShmTransport: dtype {dtype} is not supported for op {op!r}")
         self._pending = None
         return ufunc, dtype
 
@@ -498,24 +448,24 @@ class ShmAllreduceBackend:
         if self._window is not None:
             self._window.free()
             self._window = None
-        if self.layout is not None:
-            self.layout.free()
-            self.layout = None
+        if self.topology is not None and self._owns_topology:
+            self.topology.free()
+        self.topology = self.layout = None
 
     # -- internals ----------------------------------------------------------
     def _local_rank(self) -> int:
         if self.layout is None:
-            raise RuntimeError("ShmAllreduceBackend is closed")
+            raise RuntimeError("ShmTransport is closed")
         return self.layout.local_rank
 
     def _check_dtype(self, dtype: np.dtype, op: str) -> np.dtype:
         if self._closed:
-            raise RuntimeError("ShmAllreduceBackend is closed: its shared window is freed")
+            raise RuntimeError("ShmTransport is closed: its shared window is freed")
         dtype = np.dtype(dtype)
-        if op not in _UFUNCS:
-            raise ValueError(f"ShmAllreduceBackend: op must be one of {SUPPORTED_OPS}, got {op!r}")
+        if op not in ops.WIRE_OPS:
+            raise ValueError(f"ShmTransport: op must be one of {tuple(ops.WIRE_OPS)}, got {op!r}")
         if not (dtype in SUPPORTED_DTYPES or (op == "sum" and dtype in _COMPLEX)):
-            raise TypeError(f"ShmAllreduceBackend: dtype {dtype} is not supported for op {op!r}")
+            raise TypeError(f"ShmTransport: dtype {dtype} is not supported for op {op!r}")
         return dtype
 
     def _ensure_capacity(self, nbytes: int) -> None:
@@ -538,28 +488,16 @@ class ShmAllreduceBackend:
         buckets = 2 if self.direct_max_bytes >= 0 else 1  # without one-synchronisation reduces, one bucket
         self._window = SharedWindow(self.layout.node_comm, buckets * cap)
         names = self.layout.node_comm.allgather(self.layout.comm.Get_rank())
-        kw = {"timeout": self.timeout_seconds, "rank_names": names, "spin": self.spin, "yields": self.yields}
+        kw = {"timeout": self.timeout_seconds, "rank_names": names, "waiter": self.waiter}
         kw = kw if self.sync_kind == "counter" else {}
         self._sync = make_sync(self._window, self.sync_kind, **kw)
         self._capacity = cap
         self._bucket = 0
 
     def _wait(self, req: MPI.Request) -> None:
-        """Complete the cross-node request, spinning, yielding, then sleeping (polling.pause; MPI's own wait
-        never yields)."""
-        polls = 0
-        deadline = None
-        while not req.Test():
-            polls += 1
-            if polls > self.spin:
-                pause(polls, self.spin, self.yields)
-                if self.timeout_seconds is not None and reads_clock(polls, self.spin, self.yields):
-                    now = time.monotonic()
-                    deadline = deadline or now + self.timeout_seconds
-                    if now > deadline:
-                        raise TimeoutError(
-                            f"cross-node all-reduce of the node slice waited more than {self.timeout_seconds} s"
-                        )
+        """Complete the cross-node request with the topology's waiter (MPI's own wait never yields)."""
+        if not self.waiter.until(req.Test, self.timeout_seconds):
+            raise TimeoutError(f"cross-node all-reduce of the node slice waited more than {self.timeout_seconds} s")
 
     def _typed(self, bucket: int, dtype: np.dtype) -> list[np.ndarray]:
         key = (bucket, dtype)

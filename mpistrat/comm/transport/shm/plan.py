@@ -16,14 +16,14 @@ __all__ = ["ReducePlan", "make_plan"]
 
 
 class ReducePlan:
-    """Precomputed views of one reduce: the pieces returned, the reduction blocks
+    """Precomputed views of one reduce: the result (this rank's segment), the reduction blocks
     ``(sources, destination, copy-back or None, push targets, start, end)``, the cross-node
     slice and where it is pushed once reduced across nodes."""
 
-    __slots__ = ("pieces", "blocks", "cross", "cross_targets")
+    __slots__ = ("result", "blocks", "cross", "cross_targets")
 
-    def __init__(self, pieces: list, blocks: list, cross: np.ndarray | None, cross_targets: tuple) -> None:
-        self.pieces = pieces
+    def __init__(self, result: np.ndarray, blocks: list, cross: np.ndarray | None, cross_targets: tuple) -> None:
+        self.result = result
         self.blocks = blocks
         self.cross = cross
         self.cross_targets = cross_targets
@@ -63,4 +63,4 @@ def make_plan(
         if not one_node:
             cross = own[lo:hi]
             cross_targets = tuple(v[lo:hi] for v in others)
-    return ReducePlan([(0, views[lr][:count])], blocks, cross, cross_targets)
+    return ReducePlan(views[lr][:count], blocks, cross, cross_targets)

@@ -1,6 +1,6 @@
 """Result arrays in node shared memory, so that slice owners write the result straight into them.
 
-Without them, :class:`~mpistrat.comm.transport.shm.allreduce.ShmAllreduceBackend`'s
+Without them, :class:`~mpistrat.comm.transport.shm.allreduce.ShmTransport`'s
 reduce-scatter leaves every rank's result in its own window segment and the
 rank copies it out into its private result array: one more read and write of
 the whole array per call (at 2 ranks, 4 MiB: 175 of 600 us). When the result
@@ -31,7 +31,8 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.transport.shm.window import PAGE_SIZE, SharedWindow
+from mpistrat.comm.runtime.shm_window import PAGE_SIZE, SharedWindow
+from mpistrat.comm.transport.base import ResultBlockSet, ResultBlockSource
 
 __all__ = ["MAX_BYTES", "PRIVATE", "SLOTS", "ResultBlocks", "SharedResults"]
 
@@ -39,12 +40,9 @@ SLOTS = 2  # result blocks per rank and size: a step's result, and the previous 
 PRIVATE = -1  # published when this call's result is a private array (copied out of the segment)
 _CONTROL_BYTES = 64  # one cache line per rank: the published slot
 _SIZES_MAX = 16  # sizes (count, dtype) given shared blocks, per backend
-# Largest array given shared blocks. Shared memory has 4 KiB pages here (no transparent huge pages
-# for shmem), NumPy's private arrays of 4 MiB and more get huge pages: writing into every rank's
-# block then costs page walks that the saved copy does not pay for. Measured on this project's
-# 2-core VM in its slow mode (copy-out time / shared-block time): 16 MiB 0.56-0.67 at 2 and 4
-# ranks, 4 MiB 0.82-0.91, 1 MiB 0.77-0.82 at 2 ranks and 1.11-1.21 at 4; in its quicker modes
-# 1.09-1.19 at 2 ranks up to 16 MiB (4 MiB in the benchmark: 1.60-1.70x raw against 0.85-1.09x).
+# Largest array given shared blocks: shared memory has 4 KiB pages (no transparent huge pages for
+# shmem) while NumPy's large private arrays get huge pages, so above this, writing into every rank's
+# block costs more page walks than the saved copy (benchmarks/README.md, "shared result blocks").
 MAX_BYTES = 4 << 20
 
 
@@ -53,7 +51,7 @@ def _references(blocks: list[np.ndarray]) -> list[int]:
     return [sys.getrefcount(block) for block in blocks]
 
 
-class SharedResults:
+class SharedResults(ResultBlockSet):
     """:data:`SLOTS` shared result blocks of ``count`` items of ``dtype`` per node rank (collective
     over ``node_comm``: every rank passes the same ``count`` and ``dtype``)."""
 
@@ -128,7 +126,7 @@ class SharedResults:
             self.window.free()
 
 
-class ResultBlocks:
+class ResultBlocks(ResultBlockSource):
     """A backend's :class:`SharedResults`, one per array size, made at the first all-reduce of that
     size (collective: every rank reduces the same sizes in the same order, agreed before).
 

@@ -17,12 +17,9 @@ offered behind one ``NodeSync`` interface:
 * ``"barrier"``: ``Win.Sync``; ``node_comm.Barrier()``; ``Win.Sync``.
 * ``"counter"``: every rank bumps its own epoch counter in a small second
   shared window (one cache line per rank) and waits until every peer's
-  counter has reached the same epoch: it spins, and once ``spin`` polls have
-  passed it yields the CPU (``os.sched_yield``) on every poll, since a pure
-  spin costs a whole scheduler slice when ranks outnumber cores, and after
-  ``yields`` yields it sleeps briefly per poll (``polling``: a yield does not
-  always hand over the CPU). It also honours a timeout and names the local
-  ranks that never arrived.
+  counter has reached the same epoch, polling with a
+  :class:`~mpistrat.comm.runtime.waiter.Waiter`. It also honours a timeout and
+  names the local ranks that never arrived.
 
 Lifetime: NumPy views must never outlive ``Win.Free()``. Every view handed
 out derives from one root array per segment, tracked by weak reference.
@@ -42,7 +39,6 @@ import atexit
 import gc
 import mmap
 import sys
-import time
 import warnings
 import weakref
 from typing import Sequence
@@ -50,7 +46,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.runtime.waiter import default_spin, pause, reads_clock
+from mpistrat.comm.runtime.waiter import Waiter, default_spin
 
 __all__ = [
     "PAGE_SIZE",
@@ -85,7 +81,7 @@ class SharedWindow:
     ``Split_type(COMM_TYPE_SHARED)`` or a subset of it).
     """
 
-    def __init__(self, node_comm: MPI.Comm, nbytes: int, *, prefault: bool = True) -> None:
+    def __init__(self, node_comm: MPI.Comm, nbytes: int, *, prefault: bool = True, free_at_exit: bool = True) -> None:
         if nbytes < 0:
             raise ValueError(f"SharedWindow: nbytes must be >= 0, got {nbytes}")
         self.comm = node_comm
@@ -116,7 +112,8 @@ class SharedWindow:
             for r, root in enumerate(roots):  # and map the peers' pages into this process
                 if r != self.rank:
                     int(root[::PAGE_SIZE].max())
-        _OPEN.append(self)
+        if free_at_exit:
+            _OPEN.append(self)
 
     @property
     def closed(self) -> bool:
@@ -203,14 +200,11 @@ class BarrierSync(NodeSync):
 
 
 class CounterSync(NodeSync):
-    """Epoch counters in a small shared window: spin, then yield, with a timeout.
+    """Epoch counters in a small shared window, polled by a :class:`Waiter`, with a timeout.
 
-    ``spin`` is the number of polls before yielding the CPU on every poll
-    (default: ``default_spin`` of the communicator's size); ``yields`` the
-    number of yields before sleeping ``polling.SLEEP_SECONDS`` on every poll
-    (default None: never; see ``polling.default_yields``).
-    ``timeout`` (seconds, None for none) raises ``TimeoutError`` naming the
-    node ranks (and their ``rank_names``) that did not arrive.
+    ``waiter`` (default: spin ``default_spin`` of the node's size, never sleep) is how a rank
+    polls its peers' counters. ``timeout`` (seconds, None for none) raises ``TimeoutError``
+    naming the node ranks (and their ``rank_names``) that did not arrive.
     """
 
     name = "counter"
@@ -219,8 +213,7 @@ class CounterSync(NodeSync):
         self,
         window: SharedWindow,
         *,
-        spin: int | None = None,
-        yields: int | None = None,
+        waiter: Waiter | None = None,
         timeout: float | None = None,
         rank_names: Sequence[int] | None = None,
     ) -> None:
@@ -232,8 +225,7 @@ class CounterSync(NodeSync):
         self._me = comm.Get_rank()
         self._others = [r for r in range(n) if r != self._me]
         self._epoch = 0
-        self.spin = default_spin(n) if spin is None else int(spin)
-        self.yields = yields
+        self.waiter = Waiter(default_spin(n), None) if waiter is None else waiter
         self.timeout = timeout
         self._names = list(rank_names) if rank_names is not None else list(range(n))
 
@@ -247,21 +239,21 @@ class CounterSync(NodeSync):
         self._data_win.Sync()  # this rank's data stores before its counter
         ctr[self._me, 0] = epoch
         sync()
-        polls = 0
-        spin, yields = self.spin, self.yields
-        deadline = None
-        for r in self._others:
-            while ctr[r, 0] < epoch:
-                polls += 1
-                if polls > spin:
-                    pause(polls, spin, yields)
-                    if reads_clock(polls, spin, yields):
-                        now = time.monotonic()
-                        if deadline is None:
-                            deadline = now + self.timeout if self.timeout is not None else float("inf")
-                        elif now > deadline:
-                            self._raise_timeout(epoch)
+        others = self._others
+        waiting = 0  # index of the first peer not yet seen at this epoch
+        while waiting < len(others) and ctr[others[waiting], 0] >= epoch:
+            waiting += 1
+        if waiting < len(others):
+
+            def arrived() -> bool:
+                nonlocal waiting
                 sync()
+                while waiting < len(others) and ctr[others[waiting], 0] >= epoch:
+                    waiting += 1
+                return waiting == len(others)
+
+            if not self.waiter.until(arrived, self.timeout):
+                self._raise_timeout(epoch)
         self._data_win.Sync()  # peers' data stores visible before our loads
 
     def _raise_timeout(self, epoch: int) -> None:

@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mpistrat.comm.allreduce_steps import CAI, CUPY, HOST
-from mpistrat.comm.transport.cuda import is_cupy_array, is_device_buffer
+from mpistrat.devices import is_cupy_array, is_device_buffer
 
-__all__ = ["allreduce_signature"]
+__all__ = ["HOST", "CUPY", "CAI", "allreduce_signature"]
+
+HOST, CUPY, CAI = 0, 1, 2  # the kinds of arrays: NumPy, CuPy, other __cuda_array_interface__ buffers
 
 _SCALARS = (int, float, complex, np.generic)
 

@@ -1,0 +1,174 @@
+"""One collective call's agreement check, run where the call's plan allows: first, overlapped, or folded.
+
+:class:`CallAgreement` is the communicator's side of the transport contract's
+:class:`~mpistrat.comm.transport.base.AgreementHook`. For every call it runs the
+check of :class:`~mpistrat.comm.agreement.guard.AgreementGuard` in one of three
+places, chosen per call by :func:`choose_mode`:
+
+* ``FIRST``: before the transport starts (a call not planned before, device
+  buckets, buckets above ``OVERLAP_MAX_BYTES``, calls other than all-reduce);
+* ``OVERLAP``: the check's round is posted, the transport stages this rank's
+  first bucket, and the hook waits for the round once told the data is staged;
+* ``FOLD``: the whole check runs once the transport has staged, through node
+  shared memory; when every rank had staged first (the ``STAGED_FIRST`` bit of
+  the check's ``aux``), the check stands for the transport's first node
+  synchronisation and the hook says so.
+
+While it stages, a rank makes no MPI progress and answers no peer's query,
+so staging overlaps the check only for host buckets up to ``OVERLAP_MAX_BYTES``,
+far below the grace period a timed-out peer waits. A local error (bad
+arguments, a failure while staging before the check) travels in the call's
+key, so every rank raises instead of waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mpistrat import timeline
+from mpistrat.comm.agreement.guard import AgreementGuard
+from mpistrat.comm.agreement.signatures import CallKey
+from mpistrat.comm.errors import CollectiveMismatchError
+from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook
+
+__all__ = ["FIRST", "OVERLAP", "FOLD", "OVERLAP_MAX_BYTES", "STAGED_FIRST", "CallAgreement", "check_aux",
+           "choose_mode", "require_same_pack"]
+
+FIRST, OVERLAP, FOLD = 0, 1, 2
+OVERLAP_MAX_BYTES = 4 << 20
+
+# An all-reduce's aux: the bucket size (bytes_per_pack) shifted left by one, and this bit when the
+# rank posted its check only after staging its first bucket (FOLD).
+STAGED_FIRST = 1
+
+
+def check_aux(pack_bytes: int, staged_first: bool = False) -> int:
+    """The ``aux`` an all-reduce's (or broadcast's) check carries: the bucket size and :data:`STAGED_FIRST`."""
+    return pack_bytes << 1 | (STAGED_FIRST if staged_first else 0)
+
+
+def require_same_pack(aux: np.ndarray, call: str = "allreduce") -> bool:
+    """Raise (on every rank: all see the same values) unless every rank fuses with the same bucket
+    size; whether every rank staged its first bucket before its check (:data:`STAGED_FIRST`)."""
+    lo, hi = int(aux.min()), int(aux.max())
+    if lo >> 1 != hi >> 1:
+        detail = "; ".join(f"rank {r}: {int(p) >> 1}" for r, p in enumerate(aux))
+        raise CollectiveMismatchError(
+            f"Mismatched {call} bytes_per_pack ({detail}): the ranks would fuse different buckets; "
+            "pass the same CommunicationOptions on every rank"
+        )
+    return bool(lo & STAGED_FIRST)
+
+
+def choose_mode(guard: AgreementGuard | None, planned_before: bool, host: bool, nbytes: int,
+                folds_agreement: bool) -> int:
+    """Where an all-reduce's check runs, from its first bucket (see the module docstring)."""
+    if guard is None or not planned_before or not host or nbytes > OVERLAP_MAX_BYTES:
+        return FIRST
+    return FOLD if folds_agreement and guard.transport == "shm" else OVERLAP
+
+
+class CallAgreement(AgreementHook):
+    """The agreement checks of one communicator, one call at a time (``guard`` None: one rank, no checks).
+
+    :meth:`agree` runs a whole check; :meth:`begin` prepares one for a transport
+    and returns the hook to hand it; :meth:`end` or :meth:`fail` closes it.
+    With the timeline on, the check's span is kept for the call's event.
+    """
+
+    def __init__(self, guard: AgreementGuard | None) -> None:
+        self.guard = guard
+        self.span = (0.0, 0.0)  # timeline: the last check's (start, end), in microseconds
+        self._mode = FIRST
+        self._pending = False  # a begun check the transport has not reached yet
+        self._call: tuple = ()
+        self._t0 = 0.0
+
+    # -- whole checks --------------------------------------------------------------------
+    def agree(self, key: CallKey, timeout: float, aux: int = 0, error: Exception | None = None,
+              h: int | None = None) -> np.ndarray | None:
+        """Check ``key`` with every rank; each rank's ``aux`` (None on one rank). A local ``error``
+        travels in the key, so every rank raises: this one ``error``, the others a mismatch naming it."""
+        if error is not None:
+            key = (key[0], (("error", f"{type(error).__name__}: {error}"),), ())
+            h = None
+        guard = self.guard
+        aux_values = None
+        if guard is not None:
+            if timeline.enabled():
+                t0 = timeline.now_us()
+                try:
+                    aux_values = guard.check(key, timeout, aux, h)
+                finally:
+                    self._record(t0, key)
+            else:
+                aux_values = guard.check(key, timeout, aux, h)
+        if error is not None:
+            raise error
+        return aux_values
+
+    # -- checks a transport completes -------------------------------------------------------
+    def begin(self, key: CallKey, h: int, timeout: float, pack_bytes: int, mode: int) -> AgreementHook:
+        """Prepare the check of an all-reduce to run in ``mode``; the hook to hand the transport."""
+        guard = self.guard
+        if guard is None:
+            return NO_AGREEMENT
+        if mode == FIRST:
+            require_same_pack(self.agree(key, timeout, check_aux(pack_bytes), h=h))
+            return NO_AGREEMENT
+        self._mode, self._pending, self._call = mode, True, (key, h, timeout, pack_bytes)
+        if mode == OVERLAP:
+            self._t0 = timeline.now_us() if timeline.enabled() else 0.0
+            guard.start(key, timeout, check_aux(pack_bytes), h)
+        else:
+            guard.require_usable()  # before staging: peers may still read this rank's last data
+        return self
+
+    def staged(self, first: bool = True) -> bool:
+        """The transport has staged this rank's data (or needs its peers before staging: not ``first``)."""
+        if not self._pending:
+            raise RuntimeError("the agreement hook was called twice in one all-reduce")
+        self._pending = False
+        guard = self.guard
+        assert guard is not None
+        key, h, timeout, pack_bytes = self._call
+        if self._mode == OVERLAP:
+            try:
+                aux = guard.finish()
+            finally:
+                if self._t0:
+                    self._record(self._t0, key)
+            require_same_pack(aux)
+            return False
+        return require_same_pack(self.agree(key, timeout, check_aux(pack_bytes, staged_first=first), h=h))
+
+    def end(self, transport: Any) -> None:
+        """After the transport returned: a transport that never told the hook is a bug, raised on every rank."""
+        if self._pending:
+            self.fail(RuntimeError(f"transport {type(transport).__name__} never called its agreement hook: "
+                                   "the check would have finished only after the data moved"))
+
+    def fail(self, exc: BaseException) -> None:
+        """The call failed before the transport told the hook: close the check so no rank waits, then
+        raise (``exc`` here; where the check can still carry it, a mismatch on the other ranks)."""
+        if not self._pending:
+            raise exc
+        self._pending = False
+        guard = self.guard
+        assert guard is not None
+        key, _, timeout, _ = self._call
+        if self._mode == OVERLAP:
+            if guard.started:
+                guard.finish()  # the round is out already: finish it, never leave it open
+            raise exc
+        if isinstance(exc, Exception):  # not KeyboardInterrupt and the like: those end the program
+            self.agree(key, timeout, error=exc)
+        raise exc
+
+    def _record(self, t0: float, key: CallKey) -> None:
+        t1 = timeline.now_us()
+        self.span = (t0, t1)
+        assert self.guard is not None
+        timeline.record("check", "check", t0, t1 - t0, call=key[0], seq=self.guard.seq)

@@ -1,0 +1,62 @@
+"""Running an all-reduce plan: stage each bucket, hand it to its transport, give out the results.
+
+The first step's transport gets the call's agreement hook; later steps get
+:data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then).
+Results are new arrays from each step's pool (never overwritten by a later
+call), or, in place, the input arrays themselves.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from mpistrat.comm import fusion
+from mpistrat.comm.plan import Step
+from mpistrat.comm.signature import CAI
+from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook
+
+__all__ = ["run_steps"]
+
+
+def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: AgreementHook) -> list:
+    """Reduce ``arrays`` step by step over two or more ranks; the results (``arrays`` when ``inplace``)."""
+    results = arrays if inplace else [None] * len(arrays)
+    for step in steps:
+        b = step.bucket
+        transport = step.transport
+        if step.direct:
+            a = arrays[b.members[0]]
+            write_back = None
+            if step.kind == CAI:
+                src, dst = MPI.IN_PLACE, a
+            elif inplace:
+                # Every rank takes this path whatever its array's memory layout (the ranks agree on
+                # shapes and dtypes, not on strides), so all make the same collective calls: a strided
+                # array goes through a contiguous copy.
+                src, dst = MPI.IN_PLACE, a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
+                write_back = None if dst is a else a
+            else:
+                src = a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
+                dst = results[b.members[0]] = step.pool.get()[1][0]
+            transport.allreduce_array(src, dst, op, hook)
+            hook = NO_AGREEMENT
+            if write_back is not None:
+                step.xp.copyto(write_back, dst)
+            continue
+        xp = step.xp
+        fusion.pack(arrays, b, transport.pack_buffer(b.count, b.dtype), xp)
+        if inplace:
+            flat = transport.allreduce_packed(b.count, b.dtype, op, hook)
+            hook = NO_AGREEMENT
+            copyto = xp.copyto
+            for i, src in zip(b.members, step.source_views(flat)):
+                copyto(arrays[i], src)
+            continue
+        block, views = step.pool.get()
+        transport.allreduce_packed(b.count, b.dtype, op, hook, block)
+        hook = NO_AGREEMENT
+        for i, v in zip(b.members, views):
+            results[i] = v
+    if hook is not NO_AGREEMENT:  # no steps (no arrays): the check still runs
+        hook.staged()
+    return results

@@ -1,0 +1,116 @@
+"""All-reduce plans: a call's arrays grouped into buckets, each with the transport that reduces it.
+
+A plan is made once per call signature (op, shapes, dtypes, kinds, bucket
+size, in place or not) and cached, so a repeated call allocates nothing:
+:class:`Step` holds a bucket, its transport and the results pool. Host
+arrays and CuPy arrays are packed into buckets by dtype
+(:func:`~mpistrat.comm.fusion.plan_buckets`); buffers exposing only
+``__cuda_array_interface__`` are reduced one by one, in place.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+from mpistrat.comm.fusion import Bucket, ResultPool, plan_buckets
+from mpistrat.comm.signature import CAI, CUPY, HOST
+from mpistrat.comm.transport.base import Transport
+from mpistrat.comm.transport.mpi import mpi_datatype
+
+__all__ = ["Step", "Planner"]
+
+PLAN_CACHE_MAX = 512
+
+
+class Step:
+    """One bucket of an all-reduce plan and the transport that reduces it."""
+
+    __slots__ = ("bucket", "kind", "transport", "xp", "direct", "pool", "members", "_src", "_src_views")
+
+    def __init__(self, bucket: Bucket, kind: int, transport: Transport, xp: Any) -> None:
+        self.bucket = bucket
+        self.kind = kind
+        self.transport = transport
+        self.xp = xp
+        self.members = bucket.members
+        self.direct = len(bucket.members) == 1  # one array: reduced without packing
+        # Results of one array may go straight into blocks the transport shares (shm/results.py).
+        shared = transport.result_blocks if self.direct and kind == HOST else None
+        self.pool = ResultPool(bucket, xp, shared=shared) if kind != CAI else None
+        self._src: Any = None
+        self._src_views: list = []
+
+    def source_views(self, flat: Any) -> list:
+        """The members' views of ``flat`` (a reduced bucket of ``count`` items), cached while it starts at
+        the same address (the cached views keep that memory alive, so the address names it)."""
+        where = flat.ctypes.data if self.kind == HOST else flat.data.ptr
+        if where != self._src:
+            b = self.bucket
+            self._src = where
+            self._src_views = [flat[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
+        return self._src_views
+
+
+class Planner:
+    """Makes and caches the plans of one communicator.
+
+    ``host`` is the host transports in the order to try them; ``device()``
+    returns the device transports, made on first use.
+    """
+
+    def __init__(self, host: list[Transport], device: Callable[[], list[Transport]]) -> None:
+        self._host = host
+        self._device = device
+        self._plans: dict[Any, list[Step]] = {}
+
+    def cached(self, key: Any) -> list[Step] | None:
+        """The plan filed under ``key``, if any."""
+        return self._plans.get(key)
+
+    def plan(self, key: Any, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[Step]:
+        """The steps of a call not planned before, filed under ``key`` (TypeError/ValueError for dtypes
+        or ops no rank could reduce: raised before anything collective)."""
+        for i, entry in enumerate(sig):
+            dtype = np.dtype(entry[1])
+            if dtype.kind not in "iufc":
+                raise TypeError(
+                    f"allreduce: array #{i} has dtype {dtype}; supported are integer, float and complex dtypes"
+                )
+            if dtype.kind == "c" and op != "sum":
+                raise TypeError(f"allreduce: op {op!r} is not defined for complex array #{i} ({dtype})")
+            mpi_datatype(dtype)  # ValueError when MPI has no such type
+        kinds_list = kinds if kinds is not None else (HOST,) * len(sig)
+        steps = []
+        for kind in (HOST, CUPY, CAI):
+            index = [i for i, k in enumerate(kinds_list) if k == kind]
+            if not index:
+                continue
+            if kind == CAI:  # one direct call per buffer: nothing to pack them with
+                buckets = [_single_bucket(i, sig[i][:2]) for i in index]
+            else:
+                buckets = [
+                    Bucket(b.dtype, b.count, tuple(index[m] for m in b.members), b.offsets, b.sizes, b.shapes)
+                    for b in plan_buckets([sig[i][:2] for i in index], pack_bytes)
+                ]
+            transports = self._host if kind == HOST else self._device()
+            xp = np if kind == HOST else sys.modules.get("cupy") if kind == CUPY else None
+            for b in buckets:
+                transport = next(t for t in transports if t.enabled(b.nbytes, b.dtype, op))
+                steps.append(Step(b, kind, transport, xp))
+        if len(self._plans) >= PLAN_CACHE_MAX:
+            self._plans.clear()
+        self._plans[key] = steps
+        return steps
+
+    def clear(self) -> None:
+        """Forget every plan."""
+        self._plans.clear()
+
+
+def _single_bucket(i: int, entry: tuple) -> Bucket:
+    shape, code = entry
+    size = int(np.prod(shape, dtype=np.int64))
+    return Bucket(np.dtype(code), size, (i,), (0,), (size,), (tuple(shape),))

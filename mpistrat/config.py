@@ -1,0 +1,293 @@
+"""Every ``MPISTRAT_*`` setting, parsed from the environment into one frozen :class:`Settings`.
+
+:func:`settings` parses the environment once and returns the same object
+until an ``MPISTRAT_*`` variable changes (a test or a program that sets
+``os.environ`` before building a strategy gets a fresh object then). Nothing
+else in the library reads ``MPISTRAT_*`` variables. One rule for booleans:
+``1``, ``true``, ``yes``, ``on`` and ``0``, ``false``, ``no``, ``off``
+(any case); anything else is an error naming the variable. An unknown
+``MPISTRAT_*`` name gets one warning naming the closest known one.
+:func:`describe` lists the effective values and where each came from
+(``python -m mpistrat info --settings``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import threading
+import warnings
+from typing import Any, Callable, Mapping
+
+__all__ = [
+    "Settings",
+    "Variable",
+    "VARIABLES",
+    "settings",
+    "get",
+    "describe",
+    "parse_bytes",
+    "parse_bool",
+    "l2_cache_bytes",
+]
+
+PREFIX = "MPISTRAT_"
+# Read by the project's scripts and test fixtures, not by the library: known, never warned about.
+SCRIPT_VARIABLES = ("MPISTRAT_VENV", "MPISTRAT_SERIAL_TIMEOUT", "MPISTRAT_MPI_TIMEOUT", "MPISTRAT_SLURM_INSTALL_BUDGET")
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
+_TRUE = frozenset(("1", "true", "yes", "on"))
+_FALSE = frozenset(("0", "false", "no", "off"))
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """``"4096"``, ``"256K"``, ``"64MiB"``, ``"1G"`` as a byte count (ValueError naming ``what``)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{what} must be a byte count such as 4096, 256K or 64M, got {text!r}")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
+def parse_bool(text: str, what: str) -> bool:
+    """The one boolean rule: 1/true/yes/on or 0/false/no/off, any case (ValueError naming ``what``)."""
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(f"{what} must be one of 1/true/yes/on or 0/false/no/off, got {text!r}")
+
+
+def _seconds(minimum: float, allow_zero: bool) -> Callable[[str, str], float]:
+    def parse(text: str, what: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        ok = value == value and value != float("inf") and (value > minimum or (allow_zero and value == minimum))
+        if not ok:
+            bound = f">= {minimum:g}" if allow_zero else f"> {minimum:g}"
+            raise ValueError(f"{what} must be a finite number of seconds {bound}, got {text!r}")
+        return value
+    return parse
+
+
+def _grace(text: str, what: str) -> float:
+    return max(0.05, _seconds(0.0, True)(text, what))
+
+
+def _min_bytes(text: str, what: str) -> int | str:
+    word = text.strip().lower()
+    return word if word in ("off", "auto") else parse_bytes(text, what)
+
+
+def _chunk_bytes(text: str, what: str) -> int | str:
+    word = text.strip().lower()
+    return word if word == "auto" else parse_bytes(text, what)
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(text: str, what: str) -> str:
+        word = text.strip().lower()
+        if word not in choices:
+            raise ValueError(f"{what} must be one of {', '.join(choices)}, got {text!r}")
+        return word
+    return parse
+
+
+def _positive_int(text: str, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {text!r}")
+    return value
+
+
+def _path(text: str, what: str) -> str | None:
+    return text.strip() or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One environment variable: the field it sets, how it is parsed, its default and what it does."""
+
+    name: str
+    field: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    help: str
+
+
+def l2_cache_bytes() -> int | None:
+    """The size of CPU 0's level-2 cache in bytes (Linux sysfs), or None when unknown."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in sorted(os.listdir(base)):
+            if not entry.startswith("index"):
+                continue
+            with open(os.path.join(base, entry, "level")) as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(os.path.join(base, entry, "size")) as f:
+                return parse_bytes(f.read().strip(), "L2 cache size")
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _default_block_bytes() -> tuple[int, str]:
+    """The shared-memory reduce block: an eighth of L2, so the blocks one reduction step touches
+    on a node of up to seven ranks stay in cache together (256 KiB when L2 is unknown)."""
+    l2 = l2_cache_bytes()
+    if l2 is None:
+        return 256 << 10, "default"
+    block = 1 << max(14, (l2 // 8).bit_length() - 1)  # a power of two, at least 16 KiB
+    return block, "hardware"
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("MPISTRAT_TIMEOUT_SECONDS", "timeout_seconds", _seconds(0.0, False), 600.0,
+             "how long a collective waits for the other ranks (CommunicationOptions.timeout_seconds=None)"),
+    Variable("MPISTRAT_TIMEOUT_GRACE_SECONDS", "timeout_grace_seconds", _grace, 0.5,
+             "how long a rank that timed out waits for its peers' answers (at least 0.05)"),
+    Variable("MPISTRAT_STALL_WARNING_SECONDS", "stall_warning_seconds", _seconds(0.0, True), 60.0,
+             "interval of the stall inspector's reports (0: off)"),
+    Variable("MPISTRAT_STALL_SHUTDOWN_SECONDS", "stall_shutdown_seconds", _seconds(0.0, True), 0.0,
+             "a collective stalled this long raises on every rank (0: off)"),
+    Variable("MPISTRAT_SHM_MIN_BYTES", "shm_min_bytes", _min_bytes, "auto",
+             "smallest bucket for the shared-memory window: a size, off, or auto (16K; 64K where ranks "
+             "outnumber cores)"),
+    Variable("MPISTRAT_SHM_MAX_BYTES", "shm_max_bytes", parse_bytes, 64 << 20,
+             "largest bucket for the shared-memory window, per rank"),
+    Variable("MPISTRAT_SHM_BLOCK_BYTES", "shm_block_bytes", parse_bytes, None,
+             "block of the shared-memory reduce-scatter (default: an eighth of the L2 cache)"),
+    Variable("MPISTRAT_SHM_CHUNK_BYTES", "shm_chunk_bytes", _chunk_bytes, 1 << 20,
+             "single arrays longer than this are reduced chunk by chunk (0: never; auto: measured)"),
+    Variable("MPISTRAT_AGREEMENT", "agreement", _choice("auto", "mpi"), "auto",
+             "transport of the agreement check: auto (node shared memory on one node) or mpi"),
+    Variable("MPISTRAT_PRETEND_NODES", "pretend_nodes", _positive_int, None,
+             "cut the ranks into this many pretend nodes (tests and benchmarks)"),
+    Variable("MPISTRAT_CUDA_AWARE", "cuda_aware", parse_bool, None,
+             "whether MPI takes CuPy buffers directly (default: asked from the MPI library)"),
+    Variable("MPISTRAT_CHECK_NUMERICS", "check_numerics", parse_bool, False,
+             "check every reduction's inputs for NaN/Inf first"),
+    Variable("MPISTRAT_TIMELINE", "timeline", _path, None,
+             "record a Chrome-trace timeline of every rank to this path (read at import)"),
+    Variable("MPISTRAT_NO_ABORT_HOOK", "no_abort_hook", parse_bool, False,
+             "do not install the hook that aborts the job on an uncaught exception"),
+    Variable("MPISTRAT_CRC32C", "crc32c", _choice("auto", "python"), "auto",
+             "python: the pure-Python CRC-32C of TFRecord reading (tests; read at import)"),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The effective value of every ``MPISTRAT_*`` setting; ``sources[field]`` says where it came from."""
+
+    timeout_seconds: float
+    timeout_grace_seconds: float
+    stall_warning_seconds: float
+    stall_shutdown_seconds: float
+    shm_min_bytes: int | str
+    shm_max_bytes: int
+    shm_block_bytes: int
+    shm_chunk_bytes: int | str
+    agreement: str
+    pretend_nodes: int | None
+    cuda_aware: bool | None
+    check_numerics: bool
+    timeline: str | None
+    no_abort_hook: bool
+    crc32c: str
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+
+
+class _Parsed:
+    """One environment's parse: every field's value and source, and the error of each malformed one."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.values: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+        for var in VARIABLES:
+            text = env.get(var.name, "").strip()
+            if not text:
+                self.values[var.field], self.sources[var.field] = var.default, "default"
+                continue
+            try:
+                self.values[var.field], self.sources[var.field] = var.parse(text, var.name), "environment"
+            except ValueError as exc:
+                self.errors[var.field] = str(exc)
+        if self.values.get("shm_block_bytes", 0) is None:
+            self.values["shm_block_bytes"], self.sources["shm_block_bytes"] = _default_block_bytes()
+        self.settings = None if self.errors else Settings(**self.values, sources=self.sources)
+
+
+_lock = threading.Lock()
+_cached: tuple[tuple, _Parsed] | None = None
+_warned: set[str] = set()
+
+
+def _snapshot() -> tuple:
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX)))
+
+
+def _warn_unknown(names: list[str]) -> None:
+    known = list(_BY_NAME) + list(SCRIPT_VARIABLES)
+    for name in names:
+        if name in _BY_NAME or name in SCRIPT_VARIABLES or name in _warned:
+            continue
+        _warned.add(name)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(_BY_NAME)}"
+        warnings.warn(f"unknown mpistrat setting {name} in the environment (ignored){hint}", RuntimeWarning,
+                      stacklevel=4)
+
+
+def _parsed() -> _Parsed:
+    global _cached
+    snap = _snapshot()
+    cached = _cached
+    if cached is not None and cached[0] == snap:
+        return cached[1]
+    with _lock:
+        parsed = _Parsed(dict(snap))
+        _warn_unknown([name for name, _ in snap])
+        _cached = (snap, parsed)
+    return parsed
+
+
+def settings() -> Settings:
+    """The current settings (ValueError naming every malformed ``MPISTRAT_*`` variable)."""
+    parsed = _parsed()
+    if parsed.settings is None:
+        raise ValueError("; ".join(parsed.errors.values()))
+    return parsed.settings
+
+
+def get(field: str) -> Any:
+    """One setting's value, raising only if that one is malformed (for what is read at import,
+    so that a malformed setting of the communicator does not make ``import mpistrat`` fail)."""
+    parsed = _parsed()
+    if field in parsed.errors:
+        raise ValueError(parsed.errors[field])
+    return parsed.values[field]
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """``(variable, effective value, source)`` for every setting, in the table's order; a malformed
+    one shows its error as its value."""
+    parsed = _parsed()
+    rows = []
+    for var in VARIABLES:
+        if var.field in parsed.errors:
+            rows.append((var.name, f"error: {parsed.errors[var.field]}", "environment"))
+            continue
+        value = parsed.values[var.field]
+        rows.append((var.name, "unset" if value is None else str(value), parsed.sources[var.field]))
+    return rows

@@ -1,0 +1,117 @@
+"""Reduction operations: ``ReduceOp`` and the one table of what each means on the wire.
+
+A logical op (SUM, MEAN, MIN, MAX) reduces element-wise with a *wire* op
+(``"sum"``, ``"min"``, ``"max"``), the one every transport implements; MEAN is
+a sum divided afterwards by the number of replicas. :data:`WIRE_OPS` names each
+wire op's MPI op, NumPy ufunc and NCCL op, so no other module keeps a table.
+MPI is imported only when an MPI op is asked for (``import mpistrat`` loads no MPI).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["ReduceOp", "WireOp", "WIRE_OPS", "wire_op", "mpi_op", "ufunc", "nccl_op"]
+
+
+class ReduceOp(enum.Enum):
+    """How values from replicas are combined: SUM and MEAN (as TF) plus MIN and MAX."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    MIN = "MIN"
+    MAX = "MAX"
+
+    @staticmethod
+    def from_string(op: "str | ReduceOp") -> "ReduceOp":
+        """``ReduceOp.from_string("mean")`` -> ``ReduceOp.MEAN`` (case-insensitive)."""
+        if type(op) is str:
+            found = _OPS_BY_NAME.get(op)  # the exact spellings: one lookup on the hot path
+            if found is not None:
+                return found
+        elif isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return ReduceOp[op.strip().upper()]
+            except KeyError:
+                pass
+        raise ValueError(
+            f"Unknown reduce op {op!r}; expected one of SUM, MEAN, MIN, MAX (a ReduceOp or a string)."
+        )
+
+    @staticmethod
+    def from_variable_aggregation(aggregation: Any) -> "ReduceOp":
+        """The reduce op matching a ``VariableAggregation`` (SUM or MEAN)."""
+        name = getattr(aggregation, "name", str(aggregation)).upper()
+        if name in ("SUM", "MEAN"):
+            return ReduceOp[name]
+        raise ValueError(
+            f"Could not convert from `VariableAggregation` {name} to `ReduceOp` type"
+        )
+
+    @property
+    def wire(self) -> str:
+        """The element-wise op that moves between ranks (MEAN: ``"sum"``, divided afterwards)."""
+        return _WIRE_OF[self]
+
+
+_OPS_BY_NAME = {spelling: op for op in ReduceOp for spelling in (op.value, op.value.lower())}
+
+
+class WireOp(NamedTuple):
+    """One element-wise reduction as every transport names it."""
+
+    name: str
+    mpi: str  # attribute of mpi4py.MPI
+    ufunc: np.ufunc
+    nccl: str  # attribute of cupy.cuda.nccl
+    complex_ok: bool  # defined for complex dtypes
+
+
+WIRE_OPS: dict[str, WireOp] = {
+    "sum": WireOp("sum", "SUM", np.add, "NCCL_SUM", True),
+    "min": WireOp("min", "MIN", np.minimum, "NCCL_MIN", False),
+    "max": WireOp("max", "MAX", np.maximum, "NCCL_MAX", False),
+}
+_WIRE_OF = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+
+
+def wire_op(op: Any) -> str:
+    """``"sum"``, ``"min"`` or ``"max"`` from a wire-op name or a ``ReduceOp`` other than MEAN (ValueError otherwise)."""
+    if type(op) is str and op in WIRE_OPS:
+        return op
+    name = getattr(op, "value", op)
+    if isinstance(name, str):
+        lower = name.strip().lower()
+        if lower in WIRE_OPS:
+            return lower
+        if lower == "mean":
+            raise ValueError(
+                "op 'mean' is not a cross-rank all-reduce op: all-reduce with 'sum' and divide by the "
+                "number of replicas"
+            )
+    raise ValueError(f"Unknown all-reduce op {op!r}; expected 'sum', 'min' or 'max' (or a ReduceOp)")
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_op(wire: str) -> Any:
+    """The ``mpi4py.MPI.Op`` of a wire op (imports MPI)."""
+    from mpi4py import MPI  # noqa: PLC0415  (import mpistrat loads no MPI)
+
+    return getattr(MPI, WIRE_OPS[wire].mpi)
+
+
+def ufunc(wire: str) -> np.ufunc:
+    """The NumPy ufunc of a wire op."""
+    return WIRE_OPS[wire].ufunc
+
+
+def nccl_op(op: "ReduceOp | str") -> str:
+    """The ``cupy.cuda.nccl`` attribute naming the NCCL op of ``op`` (a ReduceOp or a wire op)."""
+    wire = op.wire if isinstance(op, ReduceOp) else wire_op(op)
+    return WIRE_OPS[wire].nccl
