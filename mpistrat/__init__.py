@@ -33,7 +33,7 @@ from mpistrat.distribute.variables import (
     VariableSynchronization,
 )
 
-from mpistrat import timeline  # noqa: E402  (starts recording when MPISTRAT_TIMELINE is set)
+from mpistrat import timeline  # noqa: E402, F401  (starts recording when MPISTRAT_TIMELINE is set)
 
 __version__ = "0.1.0"
 

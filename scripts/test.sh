@@ -31,13 +31,18 @@ print(f"{p} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} s
 PY
 }
 
+echo "=== import contracts (lint-imports; [tool.importlinter] in pyproject.toml) ==="
+lint-imports --no-cache
+rc=$?; [ $rc -eq 0 ] || status=1
+summary+=("import contracts: $([ $rc -eq 0 ] && echo kept || echo BROKEN)  (exit $rc)")
+
 echo "=== serial tests (1 rank) ==="
 timeout -k 10 "${MPISTRAT_SERIAL_TIMEOUT:-900}" python -m pytest --with-mpi -q -p no:cacheprovider \
   --junitxml="$logs/n1.xml" "$@" tests
 rc=$?; [ $rc -eq 0 ] || status=1
 summary+=("1 rank:  $(count "$logs/n1.xml")  (exit $rc)")
 
-# The agreement check goes through shared memory on one node (the default, comm/shm_agreement.py);
+# The agreement check goes through shared memory on one node (the default, comm/agreement/shm_allgather.py);
 # the guard's own tests run again with the MPI all-gather it uses across nodes.
 GUARD_TESTS="tests/test_comm_safety.py tests/test_comm_check_overlap.py tests/test_multi_worker_safety.py
   tests/test_stall_inspector.py tests/test_comm_collectives.py tests/test_shm_allreduce.py tests/test_shm_agreement.py"

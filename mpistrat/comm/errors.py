@@ -1,16 +1,13 @@
-"""The errors of cross-rank collectives, and raising a per-rank error on every rank.
+"""The errors of cross-rank collectives, which every rank of a failed collective raises alike.
 
-Every rank must end a failed collective the same way: these errors are
-raised on every rank (by the agreement guard, ``safety.py``), naming the ranks
-involved; ``allgather_checked`` does it for per-rank input checked before a
-constructor's first collective.
+The agreement check (agreement/) raises them on every rank, naming the ranks
+involved; :func:`allgather_checked` does the same for per-rank input checked
+before a constructor's first collective.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
-
-from mpistrat.comm.agreement.signatures import CallKey
 
 __all__ = [
     "CollectiveError",
@@ -29,10 +26,11 @@ class CollectiveError(RuntimeError):
 class CollectiveMismatchError(CollectiveError):
     """The ranks called a collective with different ops, shapes or dtypes.
 
-    ``signatures`` holds what each rank sent (index = rank).
+    ``signatures`` holds what each rank sent (index = rank): its call key
+    ``(kind, params, arrays)``, see agreement/signatures.py.
     """
 
-    def __init__(self, message: str, signatures: Sequence[CallKey] = ()) -> None:
+    def __init__(self, message: str, signatures: Sequence[tuple] = ()) -> None:
         super().__init__(message)
         self.signatures = list(signatures)
 

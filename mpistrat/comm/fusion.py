@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Bucket", "plan_buckets", "pack", "unpack", "ResultPool"]
+__all__ = ["Bucket", "plan_buckets", "pack", "ResultPool"]
 
 
 @dataclass(frozen=True)
@@ -93,31 +93,6 @@ def pack(arrays: Sequence[Any], bucket: Bucket, out: Any, xp: Any = np) -> None:
         xp.concatenate([arrays[i].ravel() for i in members], out=out)
 
 
-def unpack(pieces: Sequence[tuple[int, Any]], bucket: Bucket, outs: Sequence[Any], xp: Any = np) -> None:
-    """Copy reduced ``pieces`` (``(start, 1-D array)`` in order) into ``outs``.
-
-    ``outs`` are the destination arrays, one per bucket member, in member
-    order; they may be non-contiguous (then each is written through a copy).
-    """
-    if len(pieces) == 1 and pieces[0][0] == 0:
-        flat = pieces[0][1]
-        for out, offset, size, shape in zip(outs, bucket.offsets, bucket.sizes, bucket.shapes):
-            xp.copyto(out, flat[offset : offset + size].reshape(shape))
-        return
-    for out, offset, size, shape in zip(outs, bucket.offsets, bucket.sizes, bucket.shapes):
-        lo, hi = offset, offset + size
-        target = out.reshape(-1) if out.flags.c_contiguous else None
-        flat = target if target is not None else xp.empty(size, dtype=bucket.dtype)
-        for start, piece in pieces:
-            end = start + piece.shape[0]
-            if end <= lo or start >= hi:
-                continue
-            a, b = max(lo, start), min(hi, end)
-            flat[a - lo : b - lo] = piece[a - start : b - start]
-        if target is None:
-            xp.copyto(out, flat.reshape(shape))
-
-
 def _max_refcount(views: list, _getrefcount: Any = sys.getrefcount) -> int:
     most = 0
     for v in views:
@@ -178,7 +153,3 @@ class ResultPool:
         self._shared = self._result_blocks.shared_results(b.count, b.dtype)
         if self._shared is not None or not self._result_blocks.may_share(b.count, b.dtype):
             self._result_blocks = None
-
-    def clear(self) -> None:
-        """Forget the pooled entries."""
-        self._entries.clear()

@@ -79,8 +79,6 @@ def collect(comm: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | N
     """Gather every rank's facts (collective). Rank 0 gets ``(job, rows)``; others None."""
     from mpi4py import MPI  # noqa: PLC0415
 
-    import mpistrat  # noqa: PLC0415
-
     comm = MPI.COMM_WORLD if comm is None else comm
     row = _rank_row(comm)
     rows = comm.gather(row, root=0)
@@ -95,7 +93,7 @@ def collect(comm: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | N
         "mpi_library": " ".join(library[0].split()) if library else "unknown",
         "mpi_standard": "%d.%d" % MPI.Get_version(),
         "mpi4py": mpi4py.__version__,
-        "mpistrat": getattr(mpistrat, "__version__", _dist_version()),
+        "mpistrat": _dist_version(),
         "python": platform.python_version(),
         "numpy": numpy.__version__,
         "world_size": comm.Get_size(),

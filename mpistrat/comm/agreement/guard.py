@@ -261,8 +261,6 @@ class AgreementGuard:
     def _wait(self, req: MPI.Request, key: CallKey, timeout: float) -> bool:
         """Poll until done; True when it completed only after the timeout."""
         global _WAITING
-        if req.Test():
-            return False
         start = time.monotonic()
         previous = _WAITING
         _WAITING = (self.index, self.seq, key, start)  # described only if a peer asks

@@ -12,17 +12,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["CallKey", "call_key", "fingerprint", "describe_call", "format_mismatch"]
+__all__ = ["CallKey", "fingerprint", "describe_call", "format_mismatch", "format_ranks"]
 
 # A call signature: (kind, params, arrays); params is a tuple of (name, value)
 # pairs, arrays a tuple of (shape, dtype string). Plain tuples: hashable,
 # picklable and with a deterministic repr (the fingerprint hashes the repr).
 CallKey = tuple
-
-
-def call_key(kind: str, params: tuple = (), arrays: tuple = ()) -> CallKey:
-    """Build a call signature ``(kind, params, arrays)``."""
-    return (kind, params, arrays)
 
 
 _FP_CACHE: dict = {}

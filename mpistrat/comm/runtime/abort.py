@@ -22,7 +22,6 @@ from mpistrat import config
 
 __all__ = [
     "install_abort_on_exception",
-    "abort_hook_installed",
     "abort_world",
     "unlink_mpi_shared_memory_files",
 ]
@@ -30,11 +29,6 @@ __all__ = [
 
 _HOOK_LOCK = threading.Lock()
 _HOOK_INSTALLED = False
-
-
-def abort_hook_installed() -> bool:
-    """Whether :func:`install_abort_on_exception` has installed its hooks."""
-    return _HOOK_INSTALLED
 
 
 def _world_rank_size() -> tuple[int, int]:

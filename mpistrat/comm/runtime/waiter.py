@@ -144,8 +144,11 @@ class Waiter:
         tick_seconds: float,
         idle_after: float | None,
     ) -> bool:
-        """:meth:`until` reading the clock at every poll (ticks and idle sleeps need it)."""
-        spin, yields = self.spin, self.yields
+        """:meth:`until` reading the clock at every poll past the spin (ticks and idle sleeps need it)."""
+        for _ in range(self.spin):
+            if done():
+                return True
+        yields = self.yields
         start = time.monotonic()
         deadline = start + timeout if timeout is not None else float("inf")
         idle = start + idle_after if idle_after is not None else float("inf")
@@ -164,7 +167,7 @@ class Waiter:
                 return False
             polls += 1
             if now < idle:
-                pause(polls, spin, yields)
+                pause(polls, 0, yields)
             else:
                 time.sleep(min(delay, deadline - now))
                 delay = min(delay * 2, MAX_IDLE_SLEEP)
