@@ -1,13 +1,7 @@
 """Every ``MPISTRAT_*`` setting, parsed from the environment into one frozen :class:`Settings`.
 
-:func:`settings` parses the environment once and returns the same object
-until an ``MPISTRAT_*`` variable changes (a test or a program that sets
-``os.environ`` before building a strategy gets a fresh object then). Nothing
-else in the library reads ``MPISTRAT_*`` variables. One rule for booleans:
-``1``, ``true``, ``yes``, ``on`` and ``0``, ``false``, ``no``, ``off``
-(any case); anything else is an error naming the variable. An unknown
-``MPISTRAT_*`` name gets one warning naming the closest known one.
-:func:`describe` lists the effective values and where each came from
+Nothing else in the library reads ``MPISTRAT_*`` variables: :data:`VARIABLES` names each one,
+:func:`settings` parses them, :func:`describe` lists the effective values
 (``python -m mpistrat info --settings``).
 """
 
@@ -238,6 +232,7 @@ def _snapshot() -> tuple:
 
 
 def _warn_unknown(names: list[str]) -> None:
+    """One warning per unknown ``MPISTRAT_*`` name, naming the closest known one."""
     known = list(_BY_NAME) + list(SCRIPT_VARIABLES)
     for name in names:
         if name in _BY_NAME or name in SCRIPT_VARIABLES or name in _warned:
@@ -263,7 +258,13 @@ def _parsed() -> _Parsed:
 
 
 def settings() -> Settings:
-    """The current settings (ValueError naming every malformed ``MPISTRAT_*`` variable)."""
+    """The current settings (ValueError naming every malformed ``MPISTRAT_*`` variable).
+
+    The environment is parsed once, and the same object returned until an ``MPISTRAT_*`` variable
+    changes (a test or a program that sets ``os.environ`` before building a strategy gets a fresh
+    object then). Booleans follow one rule (:func:`parse_bool`); an unknown ``MPISTRAT_*`` name gets
+    one warning naming the closest known one.
+    """
     parsed = _parsed()
     if parsed.settings is None:
         raise ValueError("; ".join(parsed.errors.values()))
@@ -281,7 +282,7 @@ def get(field: str) -> Any:
 
 def describe() -> list[tuple[str, str, str]]:
     """``(variable, effective value, source)`` for every setting, in the table's order; a malformed
-    one shows its error as its value."""
+    one shows its error as its value (``python -m mpistrat info --settings`` prints it)."""
     parsed = _parsed()
     rows = []
     for var in VARIABLES:

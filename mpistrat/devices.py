@@ -1,11 +1,7 @@
 """Devices: their names, the array module of each, and where an array lives.
 
-A device is named as in TensorFlow: ``"/cpu:0"``, ``"/gpu:1"``, ``"GPU:0"``,
-``"/device:CPU:0"`` or fully qualified
-``"/job:worker/replica:0/task:1/device:GPU:0"``. CPU devices hold NumPy
-arrays; ``/cpu:K`` is valid for any K (logical CPU devices, several replicas in
-one process). GPU devices hold CuPy arrays on CUDA device K; CuPy is imported
-only when a GPU device is used.
+CPU devices hold NumPy arrays; GPU devices hold CuPy arrays, and CuPy is imported only when a GPU
+device is used.
 """
 
 from __future__ import annotations
@@ -77,7 +73,13 @@ def _malformed(device: Any, why: str) -> ValueError:
 
 
 def parse_device(device: "str | DeviceSpec", *, job: str = "localhost", task: int = 0) -> DeviceSpec:
-    """Parse a device string; missing job/replica/task take the given defaults."""
+    """Parse a device string; missing job/replica/task take the given defaults.
+
+    A device is named as in TensorFlow: ``"/cpu:0"``, ``"/gpu:1"``, ``"GPU:0"``,
+    ``"/device:CPU:0"`` or fully qualified
+    ``"/job:worker/replica:0/task:1/device:GPU:0"``. ``/cpu:K`` is valid for any K
+    (logical CPU devices, several replicas in one process); ``/gpu:K`` is CUDA device K.
+    """
     if isinstance(device, DeviceSpec):
         return device
     if isinstance(device, str):

@@ -1,10 +1,7 @@
 """Reduction operations: ``ReduceOp`` and the one table of what each means on the wire.
 
-A logical op (SUM, MEAN, MIN, MAX) reduces element-wise with a *wire* op
-(``"sum"``, ``"min"``, ``"max"``), the one every transport implements; MEAN is
-a sum divided afterwards by the number of replicas. :data:`WIRE_OPS` names each
-wire op's MPI op, NumPy ufunc and NCCL op, so no other module keeps a table.
-MPI is imported only when an MPI op is asked for (``import mpistrat`` loads no MPI).
+:data:`WIRE_OPS` names each wire op's MPI op, NumPy ufunc and NCCL op, so no other module keeps a
+table. MPI is imported only when an MPI op is asked for (``import mpistrat`` loads no MPI).
 """
 
 from __future__ import annotations
@@ -19,7 +16,12 @@ __all__ = ["ReduceOp", "WireOp", "WIRE_OPS", "wire_op", "mpi_op", "ufunc", "nccl
 
 
 class ReduceOp(enum.Enum):
-    """How values from replicas are combined: SUM and MEAN (as TF) plus MIN and MAX."""
+    """How values from replicas are combined: SUM and MEAN (as TF) plus MIN and MAX.
+
+    A logical op reduces element-wise with a *wire* op (``"sum"``, ``"min"``, ``"max"``,
+    :attr:`wire`), the one every transport implements; MEAN is a sum divided afterwards by the
+    number of replicas.
+    """
 
     SUM = "SUM"
     MEAN = "MEAN"

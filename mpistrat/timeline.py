@@ -1,23 +1,8 @@
 """A Chrome-trace timeline of what each rank did (view in Perfetto or chrome://tracing).
 
-Start it with ``MPISTRAT_TIMELINE=path`` in the environment (it starts when
-mpistrat is imported) or ``mpistrat.timeline.start(path)``; stop it with
-``stop()`` (also at exit). Each rank writes ``path.rank<R>.json``; at stop,
-rank 0 waits (bounded) for the others and merges them into ``path``: one
-process track per rank (pid = rank), one thread track per Python thread.
-
-Events are complete events (``"ph": "X"``) with microsecond wall-clock
-timestamps, so ranks on one node line up. Categories: ``step`` (a
-``strategy.run``: function name, local replicas), ``collective``
-(``allreduce``, ``broadcast``, ``allgather``: bytes, arrays, op and buckets
-for all-reduces; ``wait_us``, the time spent waiting for the other ranks to
-arrive, i.e. in the agreement check, and ``transfer_us``, the rest),
-``check`` (the agreement check before a collective: call, sequence number),
-``input`` (``next``: the time this rank's replicas waited for their next
-batch from a distributed iterator), ``stall`` (a stall inspector report,
-zero duration). README.md ("Reading the timeline") explains how to read it.
-
-Recording costs one ``if`` when the timeline is off (``enabled()``).
+Start it with ``MPISTRAT_TIMELINE=path`` in the environment (it starts when mpistrat is imported) or
+:func:`start`; :func:`stop` (also at exit) merges the ranks' files into ``path``. Recording costs one
+``if`` when the timeline is off (:func:`enabled`).
 """
 
 from __future__ import annotations
@@ -52,7 +37,19 @@ def enabled() -> bool:
 
 
 def record(name: str, category: str, start_us: float, duration_us: float, **args: Any) -> None:
-    """Add one complete event (no-op when the timeline is off)."""
+    """Add one complete event (no-op when the timeline is off).
+
+    Events are complete events (``"ph": "X"``) with microsecond wall-clock
+    timestamps, so ranks on one node line up. Categories: ``step`` (a
+    ``strategy.run``: function name, local replicas), ``collective``
+    (``allreduce``, ``broadcast``, ``allgather``: bytes, arrays, op and buckets
+    for all-reduces; ``wait_us``, the time spent waiting for the other ranks to
+    arrive, i.e. in the agreement check, and ``transfer_us``, the rest),
+    ``check`` (the agreement check before a collective: call, sequence number),
+    ``input`` (``next``: the time this rank's replicas waited for their next
+    batch from a distributed iterator), ``stall`` (a stall inspector report,
+    zero duration). README.md ("Reading the timeline") explains how to read it.
+    """
     events = _events
     if events is None:
         return
@@ -116,7 +113,12 @@ def _wait_all(comm: Any, timeout: float) -> bool:
 
 
 def stop(timeout: float = 30.0) -> str | None:
-    """Stop recording, write this rank's file and (rank 0) the merged file; returns the merged path."""
+    """Stop recording, write this rank's file and (rank 0) the merged file; returns the merged path.
+
+    Each rank writes ``path.rank<R>.json``; rank 0 waits (at most ``timeout`` seconds) for the others
+    and merges them into ``path``: one process track per rank (pid = rank), one thread track per
+    Python thread.
+    """
     global _events
     if _events is None:
         return None

@@ -1,10 +1,8 @@
 """Bytes between MPI ranks: the only door through which code outside ``mpistrat.comm`` reaches it.
 
-Names are imported on first use, so that ``import mpistrat`` and the options
-load no MPI. Inside: ``communicator`` (the collectives: plan -> agreement ->
-execute), ``agreement/`` (do all ranks make the same call?), ``transport/``
-(the transport contract, its table and the transports), ``runtime/``
-(topology, waiting, lifetime, abort). docs/internals.md draws the layers.
+Names are imported on first use, so that ``import mpistrat`` and the options load no MPI. Inside:
+``communicator`` (plan -> agreement -> execute), ``agreement/``, ``transport/`` and ``runtime/``;
+docs/internals.md draws the layers.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """RankCommunicator: the cross-rank collectives under the strategies.
 
-Every collective takes one path: plan (the call's signature and, for an
-all-reduce, its buckets, each with a transport: plan.py) -> agreement (do
-all ranks make the same call? agreement/) -> execute (the transports move
-the data: execute.py, transport/). The agreement check honours
-``options.timeout_seconds`` and carries per-rank sizes or codes where a call
-needs them; a local error travels in it, so every rank raises. A one-rank
-communicator makes no MPI call and keeps the same semantics. A communicator
-is used by one thread at a time.
+Every collective takes one path: plan (:mod:`~mpistrat.comm.plan`) -> agreement
+(:mod:`mpistrat.comm.agreement`) -> execute (:mod:`~mpistrat.comm.execute`, :mod:`mpistrat.comm.transport`).
 """
 
 from __future__ import annotations
@@ -70,6 +64,15 @@ def _traced(name: str) -> Callable:
 
 class RankCommunicator:
     """Cross-rank collectives over a duplicate of ``comm`` (collective to create).
+
+    Every collective takes one path: plan (the call's signature and, for an
+    all-reduce, its buckets, each with a transport: plan.py) -> agreement (do
+    all ranks make the same call? agreement/) -> execute (the transports move
+    the data: execute.py, transport/). The agreement check honours
+    ``options.timeout_seconds`` and carries per-rank sizes or codes where a call
+    needs them; a local error travels in it, so every rank raises. A one-rank
+    communicator makes no MPI call and keeps the same semantics. A communicator
+    is used by one thread at a time.
 
     Args:
       comm: the ranks taking part (default ``MPI.COMM_WORLD``); duplicated.
@@ -364,7 +367,7 @@ class RankCommunicator:
         self._agree(("barrier", (), ()), timeout)
 
     def close(self) -> None:
-        """Release buffers, backends and communicators (collective; idempotent)."""
+        """Release buffers, transports and communicators (collective; idempotent)."""
         if self._closed:
             return
         if self._guard is not None and self._guard.broken is None:

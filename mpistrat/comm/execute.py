@@ -1,10 +1,4 @@
-"""Running an all-reduce plan: stage each bucket, hand it to its transport, give out the results.
-
-The first step's transport gets the call's agreement hook; later steps get
-:data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then).
-Results are new arrays from each step's pool (never overwritten by a later
-call), or, in place, the input arrays themselves.
-"""
+"""Running an all-reduce plan: stage each bucket, hand it to its transport, give out the results."""
 
 from __future__ import annotations
 
@@ -19,7 +13,13 @@ __all__ = ["run_steps"]
 
 
 def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: AgreementHook) -> list:
-    """Reduce ``arrays`` step by step over two or more ranks; the results (``arrays`` when ``inplace``)."""
+    """Reduce ``arrays`` step by step over two or more ranks; the results (``arrays`` when ``inplace``).
+
+    The first step's transport gets the call's agreement ``hook``; later steps get
+    :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then).
+    Results are new arrays from each step's pool (never overwritten by a later
+    call), or, in place, the input arrays themselves.
+    """
     results = arrays if inplace else [None] * len(arrays)
     for step in steps:
         b = step.bucket

@@ -1,19 +1,7 @@
-"""Fusion: pack many arrays into flat per-dtype buckets and back.
+"""Fusion: pack many arrays into flat per-dtype buckets, and pool the result arrays that view them.
 
-:func:`plan_buckets` groups a call's arrays by dtype (first-appearance
-order) and fills buckets of up to ``pack_bytes`` greedily, keeping the
-arrays' order; an array larger than a bucket gets a bucket of its own (it is
-never split). A plan is computed once per call signature and cached by the
-caller.
-
-:class:`ResultPool` hands out result arrays for a bucket without allocating
-per call: each entry is one flat block plus the views that are the results
-(``block[offset:offset + size].reshape(shape)``), so a reduction can write
-straight into the block. An entry is reused only when ``sys.getrefcount``
-shows that neither a result view nor anything derived from one (a view
-of a result refers to the block) is held outside the pool, so results handed
-to a caller are never overwritten by a later call; otherwise a new entry is
-made (kept for reuse up to ``max_entries``).
+:func:`plan_buckets` cuts a call's arrays into buckets, :func:`pack` fills one, and :class:`ResultPool`
+hands out a bucket's results without allocating per call.
 """
 
 from __future__ import annotations
@@ -45,7 +33,12 @@ class Bucket:
 
 
 def plan_buckets(entries: Sequence[tuple[tuple[int, ...], Any]], pack_bytes: int) -> list[Bucket]:
-    """Buckets for arrays described by ``(shape, dtype)``, per dtype, ``pack_bytes`` at most."""
+    """Buckets for arrays described by ``(shape, dtype)``, per dtype, ``pack_bytes`` at most.
+
+    Groups the arrays by dtype (first-appearance order) and fills buckets of up to ``pack_bytes``
+    greedily, keeping the arrays' order; an array larger than a bucket gets a bucket of its own (it is
+    never split). A plan is computed once per call signature and cached by the caller.
+    """
     if pack_bytes <= 0:
         raise ValueError(f"pack_bytes must be positive, got {pack_bytes}")
     groups: dict[np.dtype, list[int]] = {}
@@ -114,8 +107,17 @@ _POOLED_REFS = _max_refcount([np.empty(1)])
 class ResultPool:
     """Reusable result arrays (views of one flat block) for one bucket.
 
-    ``shared``, given for a bucket of one array, is a backend's ``ResultBlocks`` (shm_results):
-    blocks the backend writes the result into directly; while one is free it is handed out first.
+    Each entry is one flat block plus the views that are the results
+    (``block[offset:offset + size].reshape(shape)``), so a reduction can write
+    straight into the block. An entry is reused only when ``sys.getrefcount``
+    shows that neither a result view nor anything derived from one (a view
+    of a result refers to the block) is held outside the pool, so results handed
+    to a caller are never overwritten by a later call; otherwise a new entry is
+    made (kept for reuse up to ``max_entries``).
+
+    ``shared``, given for a bucket of one array, is a transport's ``result_blocks``
+    (:mod:`~mpistrat.comm.transport.shm.results`): blocks the transport writes the result
+    into directly; while one is free it is handed out first.
     """
 
     def __init__(self, bucket: Bucket, xp: Any = np, max_entries: int = 4, shared: Any = None) -> None:

@@ -1,13 +1,7 @@
 """Collective communication options, as ``tf.distribute.experimental``.
 
-``CommunicationOptions(bytes_per_pack=0, timeout_seconds=None,
-implementation=AUTO)`` has TensorFlow's constructor, validation and
-``merge``. Two mpistrat-specific points:
-
-* ``bytes_per_pack=0`` means "the default bucket size"
-  (:data:`DEFAULT_BYTES_PER_PACK`), see :meth:`CommunicationOptions.pack_bytes`.
-* ``timeout_seconds=None`` never means "wait forever": it falls back to
-  ``MPISTRAT_TIMEOUT_SECONDS`` (default 600 s), see :meth:`CommunicationOptions.timeout`.
+``CommunicationOptions`` has TensorFlow's constructor, validation and ``merge``; where mpistrat
+differs, its class docstring says so.
 """
 
 from __future__ import annotations
@@ -58,6 +52,14 @@ def _validate_timeout(timeout_seconds: object, source: str) -> float | None:
 
 class CommunicationOptions:
     """Options for cross-rank collectives (TF's ``CommunicationOptions``).
+
+    ``CommunicationOptions(bytes_per_pack=0, timeout_seconds=None, implementation=AUTO)`` has
+    TensorFlow's constructor, validation and :meth:`merge`. Two mpistrat-specific points:
+
+    * ``bytes_per_pack=0`` means "the default bucket size"
+      (:data:`DEFAULT_BYTES_PER_PACK`), see :meth:`pack_bytes`.
+    * ``timeout_seconds=None`` never means "wait forever": it falls back to
+      ``MPISTRAT_TIMEOUT_SECONDS`` (default 600 s), see :meth:`timeout`.
 
     Args:
       bytes_per_pack: fusion bucket size in bytes; 0 picks the default.

@@ -1,11 +1,6 @@
 """All-reduce plans: a call's arrays grouped into buckets, each with the transport that reduces it.
 
-A plan is made once per call signature (op, shapes, dtypes, kinds, bucket
-size, in place or not) and cached, so a repeated call allocates nothing:
-:class:`Step` holds a bucket, its transport and the results pool. Host
-arrays and CuPy arrays are packed into buckets by dtype
-(:func:`~mpistrat.comm.fusion.plan_buckets`); buffers exposing only
-``__cuda_array_interface__`` are reduced one by one, in place.
+A plan is made once per call signature and cached, so a repeated call allocates nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +51,11 @@ class Step:
 
 class Planner:
     """Makes and caches the plans of one communicator.
+
+    A plan is made once per call signature (op, shapes, dtypes, kinds, bucket size, in place or not):
+    a list of :class:`Step`, each a bucket, its transport and the results pool. Host arrays and CuPy
+    arrays are packed into buckets by dtype (:func:`~mpistrat.comm.fusion.plan_buckets`); buffers
+    exposing only ``__cuda_array_interface__`` are reduced one by one, in place.
 
     ``host`` is the host transports in the order to try them; ``device()``
     returns the device transports, made on first use.

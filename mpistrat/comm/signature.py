@@ -1,10 +1,7 @@
 """An all-reduce call's signature: per array ``(shape, dtype code)``, the arrays' kinds, a local error.
 
-The signature is what the agreement check compares across ranks (hashed
-into the call's fingerprint) and what plans are cached by. Building it also
-validates the arrays, returning the error instead of raising it, so that the
-check can carry it to every rank. The common case, a list of NumPy arrays
-reduced into new arrays, is built in C loops.
+The signature is what the agreement check compares across ranks (hashed into the call's fingerprint)
+and what plans are cached by.
 """
 
 from __future__ import annotations
@@ -58,6 +55,10 @@ def allreduce_signature(
     arrays: list, inplace: bool, device_mpi_missing: Callable[[], bool]
 ) -> tuple[tuple, tuple | None, Exception | None]:
     """Per-array ``(shape, dtype)`` signature, the arrays' kinds (None: all NumPy), a local error.
+
+    Building it also validates the arrays, returning the error instead of raising it, so that the
+    check can carry it to every rank. The common case, a list of NumPy arrays reduced into new
+    arrays, is built in C loops.
 
     Scalars in ``arrays`` are replaced by 0-d arrays. ``device_mpi_missing()`` is asked only for
     buffers exposing ``__cuda_array_interface__`` alone: True when they cannot go to MPI (more than

@@ -1,16 +1,7 @@
 """Cross-device reduction: combine per-replica values and place the result.
 
-A reduction is hierarchical: the rank's local replicas are reduced onto one
-device by the local backend (``ReductionToOneDevice`` or ``NcclAllReduce``),
-the result goes through one fused cross-rank all-reduce when the strategy
-spans several MPI ranks (``RankCommunicator``), and is then broadcast back to
-the destination devices. All backends share this one code path and differ
-only in their two local primitives, ``_local_reduce`` and
-``_local_broadcast``.
-
-With ``MPISTRAT_CHECK_NUMERICS=1`` (or ``check_numerics = True`` on the ops
-object) every reduction first checks its inputs for NaN/Inf and raises on
-every rank, naming the replicas that sent them (one small extra collective).
+Every :class:`CrossDeviceOps` subclass shares one hierarchical path (local replicas, then ranks, then
+destination devices) and differs only in its two local primitives.
 """
 
 from __future__ import annotations
@@ -88,7 +79,20 @@ def destination_devices(destinations: Any) -> list[str]:
 
 
 class CrossDeviceOps:
-    """Base class of cross-device reduction and broadcast (tf.distribute.CrossDeviceOps)."""
+    """Base class of cross-device reduction and broadcast (tf.distribute.CrossDeviceOps).
+
+    A reduction is hierarchical: the rank's local replicas are reduced onto one
+    device by the subclass (``ReductionToOneDevice`` or ``NcclAllReduce``),
+    the result goes through one fused cross-rank all-reduce when the strategy
+    spans several MPI ranks (``RankCommunicator``), and is then broadcast back to
+    the destination devices. All subclasses share this one code path and differ
+    only in their two local primitives, ``_local_reduce`` and
+    ``_local_broadcast``.
+
+    With ``MPISTRAT_CHECK_NUMERICS=1`` (or ``check_numerics = True`` on the ops
+    object) every reduction first checks its inputs for NaN/Inf and raises on
+    every rank, naming the replicas that sent them (one small extra collective).
+    """
 
     def __init__(self) -> None:
         self._communicator = None
@@ -113,7 +117,7 @@ class CrossDeviceOps:
         comm = self._communicator
         return num_local * (comm.size if comm is not None else 1)
 
-    # -- local primitives, overridden by backends -----------------------------------
+    # -- local primitives, overridden by subclasses --------------------------------
     def _local_reduce(self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str]) -> Any:
         raise NotImplementedError
 
@@ -250,7 +254,7 @@ class HierarchicalCopyAllReduce(ReductionToOneDevice):
     TF reduces over a DGX-1-like GPU topology in packs; here a rank's local
     replicas are reduced onto the first replica's device (as
     ``ReductionToOneDevice``), and the cross-rank stage is the same MPI (or
-    shared-memory) all-reduce every backend uses. ``num_packs`` is accepted
+    shared-memory) all-reduce every subclass uses. ``num_packs`` is accepted
     and checked as TF does.
     """
 

@@ -1,0 +1,1 @@
+"""The agreement check before every collective: do all ranks make the same call, and what if they do not."""

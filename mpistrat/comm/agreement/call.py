@@ -1,24 +1,7 @@
 """One collective call's agreement check, run where the call's plan allows: first, overlapped, or folded.
 
 :class:`CallAgreement` is the communicator's side of the transport contract's
-:class:`~mpistrat.comm.transport.base.AgreementHook`. For every call it runs the
-check of :class:`~mpistrat.comm.agreement.guard.AgreementGuard` in one of three
-places, chosen per call by :func:`choose_mode`:
-
-* ``FIRST``: before the transport starts (a call not planned before, device
-  buckets, buckets above ``OVERLAP_MAX_BYTES``, calls other than all-reduce);
-* ``OVERLAP``: the check's round is posted, the transport stages this rank's
-  first bucket, and the hook waits for the round once told the data is staged;
-* ``FOLD``: the whole check runs once the transport has staged, through node
-  shared memory; when every rank had staged first (the ``STAGED_FIRST`` bit of
-  the check's ``aux``), the check stands for the transport's first node
-  synchronisation and the hook says so.
-
-While it stages, a rank makes no MPI progress and answers no peer's query,
-so staging overlaps the check only for host buckets up to ``OVERLAP_MAX_BYTES``,
-far below the grace period a timed-out peer waits. A local error (bad
-arguments, a failure while staging before the check) travels in the call's
-key, so every rank raises instead of waiting.
+:class:`~mpistrat.comm.transport.base.AgreementHook`; :func:`choose_mode` says where each call's check runs.
 """
 
 from __future__ import annotations
@@ -37,6 +20,8 @@ __all__ = ["FIRST", "OVERLAP", "FOLD", "OVERLAP_MAX_BYTES", "STAGED_FIRST", "Cal
            "choose_mode", "require_same_pack"]
 
 FIRST, OVERLAP, FOLD = 0, 1, 2
+# While it stages, a rank makes no MPI progress and answers no peer's query, so staging overlaps the
+# check only for host buckets up to this size, far below the grace period a timed-out peer waits.
 OVERLAP_MAX_BYTES = 4 << 20
 
 # An all-reduce's aux: the bucket size (bytes_per_pack) shifted left by one, and this bit when the
@@ -64,7 +49,7 @@ def require_same_pack(aux: np.ndarray, call: str = "allreduce") -> bool:
 
 def choose_mode(guard: AgreementGuard | None, planned_before: bool, host: bool, nbytes: int,
                 folds_agreement: bool) -> int:
-    """Where an all-reduce's check runs, from its first bucket (see the module docstring)."""
+    """Where an all-reduce's check runs, from its first bucket (the modes: :class:`CallAgreement`)."""
     if guard is None or not planned_before or not host or nbytes > OVERLAP_MAX_BYTES:
         return FIRST
     return FOLD if folds_agreement and guard.transport == "shm" else OVERLAP
@@ -76,6 +61,21 @@ class CallAgreement(AgreementHook):
     :meth:`agree` runs a whole check; :meth:`begin` prepares one for a transport
     and returns the hook to hand it; :meth:`end` or :meth:`fail` closes it.
     With the timeline on, the check's span is kept for the call's event.
+
+    For every call it runs the check of :class:`~mpistrat.comm.agreement.guard.AgreementGuard`
+    in one of three places, chosen per call by :func:`choose_mode`:
+
+    * ``FIRST``: before the transport starts (a call not planned before, device
+      buckets, buckets above ``OVERLAP_MAX_BYTES``, calls other than all-reduce);
+    * ``OVERLAP``: the check's round is posted, the transport stages this rank's
+      first bucket, and the hook waits for the round once told the data is staged;
+    * ``FOLD``: the whole check runs once the transport has staged, through node
+      shared memory; when every rank had staged first (the ``STAGED_FIRST`` bit of
+      the check's ``aux``), the check stands for the transport's first node
+      synchronisation and the hook says so.
+
+    A local error (bad arguments, a failure while staging before the check) travels
+    in the call's key, so every rank raises instead of waiting.
     """
 
     def __init__(self, guard: AgreementGuard | None) -> None:

@@ -1,58 +1,8 @@
-"""Never hang, never corrupt: agreement checks and timeouts (the errors: errors.py).
+"""The agreement check before every cross-rank call: every rank makes the same call, or every rank raises.
 
-Every cross-rank call of a :class:`~mpistrat.comm.communicator.RankCommunicator`
-first runs :meth:`AgreementGuard.check`: one tiny non-blocking collective on
-a private duplicate of the communicator (an all-gather of three int64 per
-rank: a fingerprint of the call, one auxiliary integer, the rank's
-wall-clock deadline; a persistent ``Allgather_init`` request where MPI-4
-offers it, else ``Iallgather``; when every rank of the communicator shares one
-node, one round through node shared memory instead,
-:class:`~mpistrat.comm.agreement.shm_allgather.ShmAllgather`, unless
-``MPISTRAT_AGREEMENT=mpi``), polled with ``Test``: a short spin (none
-when the node has more ranks than cores), then polls that yield the CPU
-(``sched_yield``), then, after 50 ms, sleeps backing off to 1 ms, so waiting
-ranks leave the CPU to ranks that compute.
-
-* **Stall.** While polling, after ``MPISTRAT_STALL_WARNING_SECONDS``
-  (default 60) and again at every further interval, a waiting rank asks every
-  peer where it is, and the lowest-ranked waiting rank (rank 0 when it is
-  among them) logs which ranks have not arrived and what the waiting ranks
-  submitted (:mod:`mpistrat.comm.agreement.stall`). ``MPISTRAT_STALL_SHUTDOWN_SECONDS``
-  shortens the timeout below (an error on every rank).
-* **Mismatch.** When the fingerprints differ (op, array count, shapes,
-  dtypes, call kind, root...), every rank has seen every fingerprint, so all
-  of them gather the call signatures (everyone is present by then) and raise
-  the same :class:`CollectiveMismatchError`, naming the ranks and what each
-  sent (``Mismatched allreduce shapes in collective #3: rank 0 sent [(4,),
-  float32]; rank 1 sent [(5,), float32]``).
-* **Timeout.** While polling, a rank also answers "where are you?" queries
-  on a second duplicate communicator (matched probes, never blocking;
-  :mod:`~mpistrat.comm.agreement.query_channel`).  A
-  rank whose wait passes ``timeout`` queries every peer, waits a short grace
-  period (``MPISTRAT_TIMEOUT_GRACE_SECONDS``, default 0.5 s) for answers,
-  and raises :class:`CollectiveTimeoutError` naming the ranks that never
-  arrived: a rank that is busy in Python, blocked in another MPI call or
-  dead does not answer and is named as such; a rank waiting in a different
-  mpistrat collective says which.  The timed-out rank then sends every peer
-  a verdict: ABANDON (it raised) or RESOLVED (the collective completed
-  during the grace period after all).  A rank that completes a check and
-  sees from the gathered deadlines that a peer's deadline had passed before
-  it arrived waits (bounded) for that peer's verdict, so a late rank raises
-  too instead of entering the data transfer alone.  After a timeout the guard is broken:
-  later calls raise :class:`CommunicatorBrokenError`.  Nothing in this path
-  blocks: every receive follows a matched probe and every send is
-  non-blocking and small.
-* **A rank that exited.** At exit (``atexit``), a rank tells the peers of
-  each of its live guards how many checks it made. A peer waiting in a later
-  collective of that guard can never be joined: it raises
-  :class:`PeerExitedError` at once, naming the rank (a rank that finished
-  its loop early: uneven step counts), instead of waiting for the timeout.
-
-The data transfer after a passed check uses blocking MPI calls: everyone has
-arrived, so it can only hang if a rank dies in between (the launcher then
-ends the job).
-
-Ending the whole job on an uncaught exception is :mod:`mpistrat.comm.runtime.abort`.
+:class:`AgreementGuard` runs it with timeouts, stall reports and exit notices, so a collective never
+hangs and never moves mismatched data. The errors it raises are in :mod:`mpistrat.comm.errors`; ending
+the whole job on an uncaught exception is :mod:`mpistrat.comm.runtime.abort`.
 """
 
 from __future__ import annotations
@@ -97,6 +47,21 @@ def _service_all() -> None:
 
 class AgreementGuard:
     """Fingerprint checks with timeouts for one communicator.
+
+    Every cross-rank call of a :class:`~mpistrat.comm.communicator.RankCommunicator` first runs
+    :meth:`check`: one tiny non-blocking collective on a private duplicate of the communicator, an
+    all-gather of three int64 per rank (a fingerprint of the call, one auxiliary integer, the rank's
+    wall-clock deadline). It is a persistent ``Allgather_init`` request where MPI-4 offers it, else
+    ``Iallgather``; when every rank of the communicator shares one node, one round through node shared
+    memory instead, :class:`~mpistrat.comm.agreement.shm_allgather.ShmAllgather`, unless
+    ``MPISTRAT_AGREEMENT=mpi``. A check that does not pass ends in an error on every rank: a mismatch
+    (:meth:`finish`), a timeout (:meth:`_on_timeout`, and :meth:`_settle` for a rank that arrives after
+    a peer gave up), or a peer that exited (:meth:`_peer_exited`). After a timeout the guard is broken:
+    later calls raise :class:`CommunicatorBrokenError`. Nothing in this path blocks: every receive
+    follows a matched probe and every send is non-blocking and small.
+
+    The data transfer after a passed check uses blocking MPI calls: everyone has arrived, so it can
+    only hang if a rank dies in between (the launcher then ends the job).
 
     Creating one is collective over ``comm`` (two ``Dup``, and a shared window on one node;
     :attr:`transport` says which all-gather it uses: ``"shm"`` or ``"mpi"``). Not thread-safe:
@@ -177,6 +142,8 @@ class AgreementGuard:
         The caller may do local work (staging its data, never anything that
         needs the other ranks) and must then call :meth:`finish`, also when
         that work fails: the check's request must not stay open.
+        ``MPISTRAT_STALL_SHUTDOWN_SECONDS``, when shorter than ``timeout``, replaces it: a stall that
+        long ends in the timeout's error on every rank.
         """
         if self._open is not None:
             raise RuntimeError("AgreementGuard.start: the previous check was not finished")
@@ -200,7 +167,14 @@ class AgreementGuard:
         self._open = (req, key, timeout, h, arrival)
 
     def finish(self) -> np.ndarray:
-        """The second half of :meth:`check`: wait for every rank, compare, return each rank's ``aux``."""
+        """The second half of :meth:`check`: wait for every rank, compare, return each rank's ``aux``.
+
+        When the fingerprints differ (op, array count, shapes, dtypes, call kind, root...), every rank
+        has seen every fingerprint, so all of them gather the call signatures (everyone is present by
+        then) and raise the same :class:`CollectiveMismatchError`, naming the ranks and what each sent
+        (``Mismatched allreduce shapes in collective #3: rank 0 sent [(4,), float32]; rank 1 sent
+        [(5,), float32]``).
+        """
         if self._open is None:
             raise RuntimeError("AgreementGuard.finish: no check was started")
         req, key, timeout, h, arrival = self._open
@@ -259,7 +233,15 @@ class AgreementGuard:
     # ---------------------------------------------------------------- waiting
 
     def _wait(self, req: MPI.Request, key: CallKey, timeout: float) -> bool:
-        """Poll until done; True when it completed only after the timeout."""
+        """Poll until done; True when it completed only after the timeout.
+
+        ``req`` is polled with ``Test`` by the topology's waiter: a short spin (none when the node has
+        more ranks than cores), then polls that yield the CPU (``sched_yield``), then, after 50 ms,
+        sleeps backing off to 1 ms, so waiting ranks leave the CPU to ranks that compute. While
+        polling, a rank also answers "where are you?" queries on a second duplicate communicator
+        (matched probes, never blocking; :mod:`~mpistrat.comm.agreement.query_channel`), looks for exit
+        notices and verdicts, and inspects stalls (:meth:`_inspect_stall`).
+        """
         global _WAITING
         start = time.monotonic()
         previous = _WAITING
@@ -368,7 +350,13 @@ class AgreementGuard:
         return present, missing, silent, elsewhere, submitted
 
     def _inspect_stall(self, req: MPI.Request, key: CallKey, start: float) -> bool:
-        """Report a stalled collective (from the lowest waiting rank); True if it completed meanwhile."""
+        """Report a stalled collective (from the lowest waiting rank); True if it completed meanwhile.
+
+        After ``MPISTRAT_STALL_WARNING_SECONDS`` (default 60) of waiting and again at every further
+        interval, a waiting rank asks every peer where it is, and the lowest-ranked waiting rank (rank 0
+        when it is among them) logs which ranks have not arrived and what the waiting ranks submitted
+        (:mod:`mpistrat.comm.agreement.stall`).
+        """
         replies = self._ask_peers(req)
         if replies is None:
             return True
@@ -386,6 +374,17 @@ class AgreementGuard:
         return f"{name}={timeout:g}"
 
     def _on_timeout(self, req: MPI.Request, key: CallKey, timeout: float, start: float) -> None:
+        """A wait passed ``timeout``: raise :class:`CollectiveTimeoutError`, unless the call completed meanwhile.
+
+        The rank queries every peer, waits a short grace period (``MPISTRAT_TIMEOUT_GRACE_SECONDS``,
+        default 0.5 s) for answers, and raises naming the ranks that never arrived: a rank that is busy
+        in Python, blocked in another MPI call or dead does not answer and is named as such; a rank
+        waiting in a different mpistrat collective says which. The timed-out rank sends every peer a
+        verdict: ABANDON (it raised) or RESOLVED (the collective completed during the grace period after
+        all). A rank that completes a check and sees from the gathered deadlines that a peer's deadline
+        had passed before it arrived waits (bounded) for that peer's verdict (:meth:`_settle`), so a late
+        rank raises too instead of entering the data transfer alone.
+        """
         others = self._others()
         replies = self._ask_peers(req)
         if replies is None:
@@ -413,7 +412,13 @@ class AgreementGuard:
         raise CollectiveTimeoutError(message, missing_ranks=missing)
 
     def _peer_exited(self, key: CallKey) -> None:
-        """Raise if a peer exited before joining the collective we wait in."""
+        """Raise if a peer exited before joining the collective we wait in.
+
+        At exit (``atexit``), a rank tells the peers of each of its live guards how many checks it made
+        (:meth:`_announce_exit`). A peer waiting in a later collective of that guard can never be joined:
+        it raises :class:`PeerExitedError` at once, naming the rank (a rank that finished its loop early:
+        uneven step counts), instead of waiting for the timeout.
+        """
         status = MPI.Status()
         while True:
             msg = self._channel.probe(_TAG_EXITED, status)

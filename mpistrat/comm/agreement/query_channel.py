@@ -1,16 +1,4 @@
-"""The agreement guard's side channel: small point-to-point messages, counted so they can be drained.
-
-:class:`~mpistrat.comm.agreement.guard.AgreementGuard` sends "where are you?"
-queries, their replies, verdicts and exit notices on a private duplicate of
-its communicator, never blocking: every send is an ``isend``, every receive
-follows a matched probe. Some messages are never read (a reply to a query
-whose collective completed meanwhile). Left on the communicator when it is
-freed, such a message would be delivered to the next communicator that
-reuses its context id, so :meth:`QueryChannel.drain` (collective) exchanges
-how many messages each rank sent each other rank and receives exactly what
-is still owed. Probing until nothing shows is not enough: a message sent may
-not be visible to a probe yet.
-"""
+"""The agreement guard's side channel: small point-to-point messages, counted so they can be drained."""
 
 from __future__ import annotations
 
@@ -24,7 +12,13 @@ __all__ = ["QueryChannel"]
 
 
 class QueryChannel:
-    """Non-blocking messages to and from the ranks of ``comm`` (collective to create: one ``Dup``)."""
+    """Non-blocking messages to and from the ranks of ``comm`` (collective to create: one ``Dup``).
+
+    :class:`~mpistrat.comm.agreement.guard.AgreementGuard` sends "where are you?"
+    queries, their replies, verdicts and exit notices on this private duplicate of
+    its communicator, never blocking: every send is an ``isend``, every receive
+    follows a matched probe.
+    """
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm: MPI.Comm = comm.Dup()
@@ -64,7 +58,14 @@ class QueryChannel:
 
     def drain(self, ctl: MPI.Comm, seconds: float) -> None:
         """Receive every message sent to this rank and not read yet (collective over ``ctl``, a
-        communicator of the same ranks; every rank must be alive)."""
+        communicator of the same ranks; every rank must be alive).
+
+        Some messages are never read (a reply to a query whose collective completed meanwhile).
+        Left on the communicator when it is freed, such a message would be delivered to the next
+        communicator that reuses its context id, so the ranks exchange how many messages each sent
+        each other rank and receive exactly what is still owed. Probing until nothing shows is not
+        enough: a message sent may not be visible to a probe yet.
+        """
         self.flush(seconds)
         owed = np.empty_like(self._sent_to)
         ctl.Alltoall(self._sent_to, owed)

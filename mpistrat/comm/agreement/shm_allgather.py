@@ -1,24 +1,8 @@
 """The agreement check's all-gather through node shared memory.
 
-:class:`AgreementGuard` gathers three int64 per rank (fingerprint, aux,
-deadline) before every collective. Over MPI that is an ``Iallgather``,
-which progresses only while each rank polls it: on a node with more ranks
-than cores, a rank that computes holds up every round of it (4 ranks on 2
-cores: a fused all-reduce of 100 x 4 KiB took 0.72 ms with the MPI check and
-0.45 ms without any). When every rank of the communicator shares one node,
-:class:`ShmAllgather` does the same gather in one shared-memory round: each
-rank writes its values and a round number into its own cache line; the
-gather is complete once every rank's line shows the round.
-
-It stands in for the persistent request (``Start``, ``Test``, ``Free``), so
-the guard's waiting, timeouts, verdicts and stall reports are unchanged.
-Two slots per rank, alternating by round: a rank starts round ``k + 1`` only
-after every rank posted round ``k``, and a rank posts ``k + 1`` only after
-it read round ``k``, so a peer is never more than one round ahead and never
-overwrites a slot that a rank still has to read.
-
-``MPISTRAT_AGREEMENT=mpi`` keeps the MPI all-gather (``auto``, the default:
-shared memory when the communicator spans one node).
+Over MPI the check's ``Iallgather`` progresses only while each rank polls it, so on a node with more
+ranks than cores a rank that computes holds up every round of it; when every rank of the communicator
+shares one node, :class:`ShmAllgather` does the same gather in one shared-memory round instead.
 """
 
 from __future__ import annotations
@@ -41,6 +25,20 @@ class ShmAllgather:
     share one node. ``Start`` posts this rank's values for the next round;
     ``Test`` is True once every rank posted that round, ``recv`` then holding
     all of them (index = rank).
+
+    :class:`~mpistrat.comm.agreement.guard.AgreementGuard` gathers three int64 per
+    rank (fingerprint, aux, deadline) before every collective: each rank writes its
+    values and a round number into its own cache line; the gather is complete once
+    every rank's line shows the round. This class stands in for the persistent
+    request (``Start``, ``Test``, ``Free``), so the guard's waiting, timeouts,
+    verdicts and stall reports are unchanged. ``MPISTRAT_AGREEMENT=mpi`` keeps the
+    MPI all-gather (``auto``, the default: shared memory when the communicator
+    spans one node).
+
+    Two slots per rank, alternating by round: a rank starts round ``k + 1`` only
+    after every rank posted round ``k``, and a rank posts ``k + 1`` only after
+    it read round ``k``, so a peer is never more than one round ahead and never
+    overwrites a slot that a rank still has to read.
     """
 
     def __init__(self, comm: MPI.Comm, send: np.ndarray, recv: np.ndarray) -> None:

@@ -1,22 +1,8 @@
 """The stall inspector's settings and report (Horovod's stall check, for MPI ranks).
 
-A collective whose agreement check has waited ``MPISTRAT_STALL_WARNING_SECONDS``
-(default 60; 0 turns the warnings off) for ranks that have not arrived is
-reported, and again at every further interval: the lowest-ranked waiting rank
-(rank 0 whenever it is among them) logs, on the ``mpistrat`` logger (stderr
-unless logging is configured otherwise), which ranks have not arrived, where
-those ranks are if they are waiting in another mpistrat collective, and what
-the waiting ranks submitted (op, number of arrays, shapes, dtypes).
-
-``MPISTRAT_STALL_SHUTDOWN_SECONDS`` (default 0: off) turns a stall into an
-error on every rank: a collective that has waited that long raises
-:class:`~mpistrat.comm.agreement.guard.CollectiveTimeoutError` on the waiting ranks (as
-``timeout_seconds`` does; the shorter of the two applies), and a rank that
-arrives later finds the collective abandoned and raises too.
-
-Both variables are read when a communicator (strategy) is created. The
-inspector itself lives in :class:`~mpistrat.comm.agreement.guard.AgreementGuard`'s
-wait loop: it costs nothing until a collective has waited the interval.
+The inspector itself lives in :class:`~mpistrat.comm.agreement.guard.AgreementGuard`'s wait loop: it
+costs nothing until a collective has waited the interval. Both settings are read by :mod:`mpistrat.config`
+when a communicator (strategy) is created.
 """
 
 from __future__ import annotations
@@ -34,7 +20,12 @@ __all__ = [
     "logger",
 ]
 
+# Seconds (default 60; 0 turns the warnings off) after which a collective whose agreement check still
+# waits for ranks that have not arrived is reported, and again at every further interval (format_stall).
 STALL_WARNING_ENV = "MPISTRAT_STALL_WARNING_SECONDS"
+# Seconds (default 0: off) after which a stall is an error on every rank: a collective that has waited
+# that long raises CollectiveTimeoutError on the waiting ranks (as timeout_seconds does; the shorter of
+# the two applies), and a rank that arrives later finds the collective abandoned and raises too.
 STALL_SHUTDOWN_ENV = "MPISTRAT_STALL_SHUTDOWN_SECONDS"
 logger = logging.getLogger("mpistrat")
 
@@ -55,7 +46,12 @@ def format_stall(
     interval: float,
     shutdown: float,
 ) -> str:
-    """The stall report: who is missing, where they are, what the waiting ranks submitted."""
+    """The stall report: who is missing, where they are, what the waiting ranks submitted.
+
+    The lowest-ranked waiting rank (rank 0 whenever it is among them) logs it (:func:`report_stall`):
+    which ranks have not arrived, where those ranks are if they are waiting in another mpistrat
+    collective, and what the waiting ranks submitted (op, number of arrays, shapes, dtypes).
+    """
     verb = "have" if len(missing) > 1 else "has"
     parts = [f"[rank {rank}] Stalled collective: {what} has waited {waited:.1f} s on rank {rank}; "
              f"{_ranks(missing)} {verb} not arrived"]
@@ -72,7 +68,8 @@ def format_stall(
 
 
 def report_stall(message: str, **args: object) -> None:
-    """Log a stall report (WARNING on the ``mpistrat`` logger) and mark it in the timeline."""
+    """Log a stall report (WARNING on the ``mpistrat`` logger: stderr unless logging is configured
+    otherwise) and mark it in the timeline."""
     logger.warning(message)
     if timeline.enabled():
         timeline.record("stall", "stall", timeline.now_us(), 0.0, message=message, **args)

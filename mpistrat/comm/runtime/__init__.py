@@ -1,0 +1,1 @@
+"""What the collectives run on: topology, waiting, shared-memory windows, lifetime of resources, abort."""

@@ -1,10 +1,7 @@
 """Ending the whole MPI job when one rank fails: abort-on-exception hooks and a clean ``MPI_Abort``.
 
-:func:`install_abort_on_exception` makes an uncaught exception on any rank
-print its traceback (prefixed with the rank) and end the whole job with
-``MPI_Abort``; ``python -m mpistrat.run script.py`` runs a script with it.
-:func:`abort_world` first unlinks MPICH's shared-memory files, which MPICH
-removes only at ``MPI_Finalize``.
+:func:`install_abort_on_exception` installs the hooks (``python -m mpistrat.run script.py`` runs a
+script with them); :func:`abort_world` ends the job.
 """
 
 from __future__ import annotations
@@ -59,8 +56,7 @@ def unlink_mpi_shared_memory_files() -> list[str]:
     """Unlink the ``/dev/shm`` files this process has mapped for MPICH's shared memory; return them.
 
     MPICH removes them at ``MPI_Finalize`` but not at ``MPI_Abort``, so every
-    aborted job would leave a few MiB in ``/dev/shm`` of each node (seen here: one
-    file per aborted job). Unlinking is safe while the job still runs: mapped
+    aborted job would leave its files in ``/dev/shm`` of each node. Unlinking is safe while the job still runs: mapped
     memory stays valid for every process that has it; only new attachments by
     name would fail, and an aborting job makes none.
     """
@@ -89,7 +85,7 @@ def abort_world(code: int) -> None:
 
 
 def install_abort_on_exception() -> bool:
-    """Make an uncaught exception on any rank end the whole MPI job.
+    """Make an uncaught exception on any rank end the whole MPI job (``python -m mpistrat.run`` installs it).
 
     Installs ``sys.excepthook`` and ``threading.excepthook`` hooks that print
     the traceback, each line prefixed with ``[rank R]``, and call

@@ -1,25 +1,7 @@
 """Releasing what a dropped communicator holds, collectively and safely.
 
-A :class:`~mpistrat.comm.communicator.RankCommunicator` owns resources whose
-release is collective: node shared-memory windows (``Win.Free``), duplicated
-communicators, the agreement guard's persistent request. ``close()`` releases
-them at once. A communicator that is simply dropped (its strategy goes out of
-scope) cannot do that in a finalizer: strategies hold reference cycles, so the
-garbage collector finalizes them at a different moment on every rank, and a
-collective started on one rank alone would hang.
-
-So a finalizer only files the communicator's :class:`Resources` as dropped
-(no MPI call). The next collective point over the same ranks or a superset of
-them (the creation of another communicator there, or :func:`release_dropped`)
-runs the garbage collector, agrees in one small ``allgather`` on what every
-rank has dropped, and releases exactly that: a communicator over a subset of
-the ranks (a strategy on a ``Split`` of them) is released once every rank of
-that subset has dropped it, so a strategy on a sub-communicator that is never
-rebuilt does not hold its windows and communicators until exit. Releases run
-in one order on every rank (by group, then creation order), so their
-collectives on different communicators cannot cross. Whatever is still held
-at exit is freed there (shared windows by ``shm_window``'s exit hook, the
-rest by ``MPI_Finalize``).
+A finalizer only files a dropped communicator's :class:`Resources` (:func:`track`); the next
+collective point over its ranks releases them, in one order on every rank (:func:`release_dropped`).
 """
 
 from __future__ import annotations
@@ -103,6 +85,16 @@ def _file_dropped(resources: Resources) -> None:
 def track(owner: object, resources: Resources) -> weakref.finalize:
     """File ``resources`` as dropped when ``owner`` is garbage-collected (not at exit).
 
+    A :class:`~mpistrat.comm.communicator.RankCommunicator` owns resources whose
+    release is collective: node shared-memory windows (``Win.Free``), duplicated
+    communicators, the agreement guard's persistent request. ``close()`` releases
+    them at once. A communicator that is simply dropped (its strategy goes out of
+    scope) cannot do that in a finalizer: strategies hold reference cycles, so the
+    garbage collector finalizes them at a different moment on every rank, and a
+    collective started on one rank alone would hang. So the finalizer only files
+    the communicator's :class:`Resources` as dropped (no MPI call), for
+    :func:`release_dropped`.
+
     Call ``detach()`` on the returned finalizer once released explicitly.
     """
     finalizer = weakref.finalize(owner, _file_dropped, resources)
@@ -121,6 +113,18 @@ def release_dropped(comm: MPI.Comm | None = None) -> int:
     A communicator is released once every rank it spans has dropped it.
     Returns how many this rank released. Communicators dropped on some of
     their ranks only stay filed for a later call.
+
+    Every collective point over the same ranks or a superset of them (the
+    creation of another communicator there, or this call) runs the garbage
+    collector, agrees in one small ``allgather`` on what every rank has dropped,
+    and releases exactly that: a communicator over a subset of the ranks (a
+    strategy on a ``Split`` of them) is released once every rank of that subset
+    has dropped it, so a strategy on a sub-communicator that is never rebuilt
+    does not hold its windows and communicators until exit. Releases run in one
+    order on every rank (by group, then creation order), so their collectives on
+    different communicators cannot cross. Whatever is still held at exit is freed
+    there (shared windows by :mod:`~mpistrat.comm.runtime.shm_window`'s exit hook,
+    the rest by ``MPI_Finalize``).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     gc.collect()  # finalize unreachable strategies now, on every rank

@@ -1,36 +1,7 @@
 """Node-wide MPI-3 shared-memory windows and their cheap synchronisation.
 
-``SharedWindow(node_comm, nbytes)`` allocates one page-aligned segment per
-rank of a node communicator (``MPI.Win.Allocate_shared`` with
-``alloc_shared_noncontig``), pre-faults it (each rank writes its own segment
-and reads one byte per page of its peers', since the first touch of fresh
-shared pages costs about +60% on the first reduction), opens a
-passive-target epoch with ``Lock_all(MODE_NOCHECK)`` for its whole life, and
-hands out NumPy views of every rank's segment (``Shared_query``).
-
-Memory ordering follows the MPI unified memory model: a writer stores, calls
-``Win.Sync`` (a memory barrier), then takes part in a process synchronisation;
-a reader does the synchronisation, then ``Win.Sync``, then loads. ``Fence`` is
-never used (it cannot be mixed with ``Lock_all``). Two synchronisations are
-offered behind one ``NodeSync`` interface:
-
-* ``"barrier"``: ``Win.Sync``; ``node_comm.Barrier()``; ``Win.Sync``.
-* ``"counter"``: every rank bumps its own epoch counter in a small second
-  shared window (one cache line per rank) and waits until every peer's
-  counter has reached the same epoch, polling with a
-  :class:`~mpistrat.comm.runtime.waiter.Waiter`. It also honours a timeout and
-  names the local ranks that never arrived.
-
-Lifetime: NumPy views must never outlive ``Win.Free()``. Every view handed
-out derives from one root array per segment, tracked by weak reference.
-``free()`` (collective over the node) drops the window's own references and
-frees the window only when no rank of the node still holds a view; otherwise
-it warns (``ResourceWarning``) and keeps the memory mapped until exit, so a
-stale view reads stale data instead of crashing. Windows still open at
-interpreter exit are freed by an ``atexit`` hook (run before mpi4py finalises
-MPI), in creation order on every rank, unless the interpreter exits on an
-uncaught exception (then the peers may never arrive, and MPI's own teardown
-or abort reclaims the memory).
+:class:`SharedWindow` hands out NumPy views of every node rank's segment; a :class:`NodeSync`
+(``"barrier"`` or ``"counter"``, :func:`make_sync`) synchronises the node with the memory barriers around it.
 """
 
 from __future__ import annotations
@@ -78,7 +49,24 @@ class SharedWindow:
 
     Collective over ``node_comm`` (every rank passes the same ``nbytes``; the
     communicator must be able to share memory, such as one from
-    ``Split_type(COMM_TYPE_SHARED)`` or a subset of it).
+    ``Split_type(COMM_TYPE_SHARED)`` or a subset of it). It allocates one
+    page-aligned segment per rank (``MPI.Win.Allocate_shared`` with
+    ``alloc_shared_noncontig``), pre-faults it (each rank writes its own segment
+    and reads one byte per page of its peers', so the first reduction does not
+    pay for the first touch of fresh shared pages), opens a passive-target epoch
+    with ``Lock_all(MODE_NOCHECK)`` for its whole life, and hands out NumPy views
+    of every rank's segment (``Shared_query``).
+
+    Lifetime: NumPy views must never outlive ``Win.Free()``. Every view handed
+    out derives from one root array per segment, tracked by weak reference.
+    :meth:`free` (collective over the node) drops the window's own references and
+    frees the window only when no rank of the node still holds a view; otherwise
+    it warns (``ResourceWarning``) and keeps the memory mapped until exit, so a
+    stale view reads stale data instead of crashing. Windows still open at
+    interpreter exit are freed by an ``atexit`` hook (run before mpi4py finalises
+    MPI), in creation order on every rank, unless the interpreter exits on an
+    uncaught exception (then the peers may never arrive, and MPI's own teardown
+    or abort reclaims the memory).
     """
 
     def __init__(self, node_comm: MPI.Comm, nbytes: int, *, prefault: bool = True, free_at_exit: bool = True) -> None:
@@ -172,7 +160,14 @@ class SharedWindow:
 
 
 class NodeSync:
-    """A process synchronisation of a node with the memory barriers around it."""
+    """A process synchronisation of a node with the memory barriers around it.
+
+    Memory ordering follows the MPI unified memory model: a writer stores, calls
+    ``Win.Sync`` (a memory barrier), then takes part in a process synchronisation;
+    a reader does the synchronisation, then ``Win.Sync``, then loads. ``Fence`` is
+    never used (it cannot be mixed with ``Lock_all``). Two synchronisations are
+    offered behind this one interface: :class:`BarrierSync` and :class:`CounterSync`.
+    """
 
     name = "abstract"
 
@@ -202,6 +197,9 @@ class BarrierSync(NodeSync):
 class CounterSync(NodeSync):
     """Epoch counters in a small shared window, polled by a :class:`Waiter`, with a timeout.
 
+    Every rank bumps its own epoch counter in a small second shared window (one
+    cache line per rank) and waits until every peer's counter has reached the
+    same epoch.
     ``waiter`` (default: spin ``default_spin`` of the node's size, never sleep) is how a rank
     polls its peers' counters. ``timeout`` (seconds, None for none) raises ``TimeoutError``
     naming the node ranks (and their ``rank_names``) that did not arrive.

@@ -1,11 +1,7 @@
 """Where each rank lives: its node (real or pretend), the cross-node ranks and the machine's cores.
 
-``node_layout(comm)`` splits a communicator by shared memory
-(``Split_type(COMM_TYPE_SHARED)``); ``pretend_nodes=K`` (``MPISTRAT_PRETEND_NODES``)
-instead cuts the ranks into K contiguous blocks, each treated as a node, so
-multi-node paths run on one machine. :func:`topology` makes the one split a
-communicator uses for everything: nodes, the machine's ranks and cores, and
-how its waits poll (:class:`~mpistrat.comm.runtime.waiter.Waiter`).
+:func:`topology` makes the one split a communicator uses for everything: nodes (:func:`node_layout`),
+the machine's ranks and cores, and how its waits poll (:class:`~mpistrat.comm.runtime.waiter.Waiter`).
 """
 
 from __future__ import annotations
@@ -60,7 +56,9 @@ def resolve_pretend_nodes(size: int, pretend_nodes: int | None) -> int | None:
 def node_layout(comm: MPI.Comm | None = None, pretend_nodes: int | None = None) -> NodeLayout:
     """Split ``comm`` into nodes (collective over ``comm``).
 
-    With ``pretend_nodes=K`` (default from ``MPISTRAT_PRETEND_NODES``, capped
+    By shared memory (``Split_type(COMM_TYPE_SHARED)``), or, with pretend nodes, into contiguous
+    blocks of ranks, each treated as a node, so multi-node paths run on one machine. With
+    ``pretend_nodes=K`` (default from ``MPISTRAT_PRETEND_NODES``, capped
     at the communicator's size), rank r of n is on pretend node ``r * K // n``;
     an explicit K must not exceed n.
     """

@@ -1,22 +1,7 @@
 """How a rank waits for its peers: one polling loop that spins, yields, then sleeps, up to a deadline.
 
-Every wait of the library (the node synchronisation, the cross-node
-request of the shared-memory transport, the agreement check) polls a
-condition with a :class:`Waiter`. Between unsuccessful polls it :func:`pause`\\ s:
-
-* first ``spin`` polls with no pause (:func:`default_spin`: none when the
-  ranks outnumber this process's cores, since a spinning rank keeps the
-  peer it waits for off the CPU);
-* then ``os.sched_yield()`` on every poll, so the CPU goes to a rank that
-  computes;
-* then, after ``yields`` yields, a short sleep (``SLEEP_SECONDS``) per poll,
-  where the ranks of the machine outnumber its cores (:func:`default_yields`):
-  under Linux's EEVDF scheduler a yield hands the CPU only to a peer that has
-  had no more than its share, so two ranks that never sleep may keep a waiting
-  rank on the CPU for a whole slice (benchmarks/README.md, "polling");
-* a wait that asks for it (``idle_after``) sleeps instead, backing off to
-  ``MAX_IDLE_SLEEP``, once it has waited that long: a peer that is that late
-  is computing, not communicating.
+Every wait of the library (the node synchronisation, the cross-node request of the shared-memory
+transport, the agreement check) polls a condition with a :class:`Waiter`.
 """
 
 from __future__ import annotations
@@ -96,7 +81,24 @@ def ranks_outnumber_cores(machine: MPI.Comm) -> bool:
 
 
 class Waiter:
-    """One polling policy: ``spin`` polls, then yields, then (after ``yields`` of them) sleeps."""
+    """One polling policy: ``spin`` polls, then yields, then (after ``yields`` of them) sleeps.
+
+    Between unsuccessful polls a wait :func:`pause`\\ s:
+
+    * first ``spin`` polls with no pause (:func:`default_spin`: none when the
+      ranks outnumber this process's cores, since a spinning rank keeps the
+      peer it waits for off the CPU);
+    * then ``os.sched_yield()`` on every poll, so the CPU goes to a rank that
+      computes;
+    * then, after ``yields`` yields, a short sleep (``SLEEP_SECONDS``) per poll,
+      where the ranks of the machine outnumber its cores (:func:`default_yields`):
+      under Linux's EEVDF scheduler a yield hands the CPU only to a peer that has
+      had no more than its share, so two ranks that never sleep may keep a waiting
+      rank on the CPU for a whole slice (benchmarks/README.md, "polling");
+    * a wait that asks for it (``idle_after``) sleeps instead, backing off to
+      ``MAX_IDLE_SLEEP``, once it has waited that long: a peer that is that late
+      is computing, not communicating.
+    """
 
     __slots__ = ("spin", "yields")
 

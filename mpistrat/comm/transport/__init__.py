@@ -1,0 +1,1 @@
+"""Transports: the contract every transport implements, the table that picks them, and the transports."""

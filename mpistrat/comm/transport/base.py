@@ -1,15 +1,7 @@
 """The transport contract: what every way of all-reducing a bucket between ranks implements.
 
-A :class:`Transport` answers Horovod's two questions for one bucket (a flat
-array of one dtype): *enabled?* (:meth:`Transport.enabled`) and *execute*
-(:meth:`Transport.allreduce_packed` for a bucket the communicator packed into
-:meth:`Transport.pack_buffer`, :meth:`Transport.allreduce_array` for one
-contiguous array). A transport never decides whether the ranks agree on the
-call: the communicator's agreement check does, and the transport only tells it,
-through the :class:`AgreementHook` every execute gets, when this rank's data
-is staged. A transport whose first synchronisation can stand in for the check
-says so (``folds_agreement``), and skips that synchronisation when the hook
-says every rank has staged.
+:class:`Transport` is the contract; :class:`AgreementHook` is how a transport, which never decides
+whether the ranks agree, tells the communicator's agreement check that this rank's data is staged.
 """
 
 from __future__ import annotations
@@ -97,6 +89,16 @@ class TransportContext:
 
 class Transport(abc.ABC):
     """All-reduces buckets of one kind of memory (host or device) between the ranks of a communicator.
+
+    A transport answers Horovod's two questions for one bucket (a flat array of one
+    dtype): *enabled?* (:meth:`enabled`) and *execute* (:meth:`allreduce_packed` for a
+    bucket the communicator packed into :meth:`pack_buffer`, :meth:`allreduce_array`
+    for one contiguous array). A transport never decides whether the ranks agree on
+    the call: the communicator's agreement check does, and the transport only tells
+    it, through the :class:`AgreementHook` every execute gets, when this rank's data
+    is staged. A transport whose first synchronisation can stand in for the check
+    says so (``folds_agreement``), and skips that synchronisation when the hook says
+    every rank has staged.
 
     Every method but :meth:`enabled` is collective: every rank calls it with the
     same count, dtype and op, in the same order (the agreement check guarantees it).

@@ -1,10 +1,6 @@
 """The device transport: CuPy buckets through MPI, CUDA-aware when the library is, else via pinned host memory.
 
-:func:`mpi_cuda_support` asks the loaded MPI library
-(``MPIX_Query_cuda_support``, exported by MPICH and Open MPI) through ctypes;
-the library is the ``libmpi`` that mpi4py loaded, found in
-``/proc/self/maps``. ``MPISTRAT_CUDA_AWARE`` forces the answer. Without
-CUDA support a bucket goes through reusable page-locked host buffers
+Without CUDA support (:func:`mpi_cuda_support`) a bucket goes through reusable page-locked host buffers
 (:class:`PinnedStaging`), never allocated per call.
 """
 
@@ -28,7 +24,8 @@ __all__ = ["DeviceMpiTransport", "PinnedStaging", "loaded_mpi_library", "mpi_cud
 
 
 def loaded_mpi_library() -> str | None:
-    """Path of the MPI shared library mapped into this process, or None."""
+    """Path of the MPI shared library mapped into this process (the ``libmpi`` that mpi4py loaded,
+    found in ``/proc/self/maps``), or None."""
     from mpi4py import MPI  # noqa: F401, PLC0415 - make sure libmpi is loaded
 
     try:
@@ -64,8 +61,8 @@ def mpi_cuda_support() -> bool | None:
     """Whether the MPI library accepts CUDA device pointers.
 
     ``MPISTRAT_CUDA_AWARE=1`` or ``0`` forces True or False; otherwise the
-    library's ``MPIX_Query_cuda_support()`` answers, and None means unknown
-    (the query is not exported).
+    library's ``MPIX_Query_cuda_support()`` (exported by MPICH and Open MPI),
+    asked through ctypes, answers, and None means unknown (the query is not exported).
     """
     forced = config.get("cuda_aware")
     return _query_library() if forced is None else forced

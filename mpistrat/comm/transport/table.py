@@ -1,16 +1,7 @@
 """The transport table: which transports serve a communicator, per memory kind and implementation.
 
-A row of :data:`PREFERENCES` names, for one memory kind (``"host"``: NumPy
-buckets; ``"device"``: CuPy buckets and other ``__cuda_array_interface__``
-buffers) and one :class:`~mpistrat.comm.options.CommunicationImplementation`,
-the transports to try in order; :data:`FACTORIES` maps a name to a factory
-``(TransportContext) -> Transport | None`` (None: it does not apply here, say
-one rank per node) or to a ``"module:attr"`` string imported on first use
-(an ``ImportError`` skips it). The communicator gives each bucket to the
-first transport of its kind's list whose ``enabled`` is true; the plain MPI
-transport of each kind ends every list and takes what the others do not.
-A new transport is one module (a :class:`~mpistrat.comm.transport.base.Transport`
-subclass) and one :func:`register_transport` call.
+A new transport is one module (a :class:`~mpistrat.comm.transport.base.Transport` subclass) and one
+:func:`register_transport` call.
 """
 
 from __future__ import annotations
@@ -38,6 +29,8 @@ HOST, DEVICE = "host", "device"
 
 Factory = Callable[[TransportContext], Union[Transport, None]]
 
+# A name -> a factory ``(TransportContext) -> Transport | None`` (None: it does not apply here, say one
+# rank per node) or a ``"module:attr"`` string imported on first use (an ImportError skips it).
 FACTORIES: dict[str, Factory | str] = {
     "shm": "mpistrat.comm.transport.shm.allreduce:ShmTransport.create",
     "mpi": MpiTransport.create,
@@ -48,6 +41,8 @@ FACTORIES: dict[str, Factory | str] = {
 FALLBACK = {HOST: "mpi", DEVICE: "device-mpi"}
 
 _I = CommunicationImplementation
+# A row names, for one memory kind (HOST: NumPy buckets; DEVICE: CuPy buckets and other
+# ``__cuda_array_interface__`` buffers) and one CommunicationImplementation, the transports to try in order.
 PREFERENCES: dict[tuple[str, CommunicationImplementation], tuple[str, ...]] = {
     (HOST, _I.AUTO): ("shm", "mpi"),
     (HOST, _I.SHM): ("shm", "mpi"),
@@ -76,7 +71,7 @@ def register_transport(name: str, factory: Factory | str, implementations: tuple
 
 
 def register_backend(name: str, factory: Factory | str, implementations: tuple[str, ...] = ("AUTO",)) -> None:
-    """:func:`register_transport` for host buffers (the name earlier releases used)."""
+    """:func:`register_transport` for host buffers, under its other public name."""
     register_transport(name, factory, implementations, HOST)
 
 
@@ -97,7 +92,9 @@ def select(ctx: TransportContext, kind: str) -> list[Transport]:
     """The transports of ``kind`` for ``ctx.options.implementation``, in the order to try them.
 
     Collective over ``ctx.comm`` (a transport may allocate shared resources).
-    The list ends with exactly one transport named as ``kind``'s fallback.
+    The list ends with exactly one transport named as ``kind``'s fallback: the communicator gives
+    each bucket to the first transport whose ``enabled`` is true, and the plain MPI transport of
+    each kind takes what the others do not.
     """
     fallback = FALLBACK[kind]
     chosen: list[Transport] = []

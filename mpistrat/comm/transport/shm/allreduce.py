@@ -1,46 +1,7 @@
 """The shared-memory transport: all-reduce through a node-wide window, hierarchical across nodes.
 
-The caller packs its data straight into this rank's segment of one shared
-window per node (``pack_buffer``), then ``allreduce_packed``:
-
-1. synchronise the node (everyone has packed);
-2. reduce-scatter: node rank i sums slice i of the bucket across all the
-   node's segments, in cache-sized blocks, always in local-rank order
-   ``((s0 + s1) + s2) + ...`` (so every slice, on every path, is summed the
-   same way), and writes it into slice i of its own segment;
-3. across nodes (hierarchical): node rank i all-reduces its slice with MPI
-   over ``cross_comm`` (the ranks with the same local rank on every node),
-   non-blocking, polled by the topology's waiter (MPI's blocking wait never
-   yields); then (on one node, block by block right after step 2) node rank i
-   pushes its reduced slice into slice i of every other rank's segment;
-4. synchronise the node again; every rank reads the whole result from its
-   own segment.
-
-Push, don't pull: a cache line another core has only read must be
-invalidated there before this core writes it again, so every line of a
-segment is last written by the core that reads it next or read by the core
-that writes it next.
-
-Two synchronisations suffice with one bucket: a rank packs its segment for
-the next call only after this call's second synchronisation, which every
-rank reaches only after it has finished reading the segments; owners push
-into a segment only after the next call's first synchronisation. Results are
-therefore valid until the next ``pack_buffer``. Two buckets alternate only
-after a one-synchronisation reduce (on one node, buckets up to
-``direct_max_bytes``: every rank sums all segments straight into its
-output, in the same order), where a fast rank may pack again while a slow
-one still reads every segment. Nodes of different sizes work too: slices are
-owned by the first P local ranks of each node, P the smallest node's size.
-
-``allreduce_array`` reduces one contiguous array without caller-side packing,
-chunk by chunk above ``chunk_bytes`` so each chunk stays in cache, and writes
-results straight into shared result blocks (``result_blocks``, results.py)
-where the caller took one. The window grows collectively (to the next power of
-two, at most ``max_bytes`` per bucket) inside ``pack_buffer``; larger buckets
-are not enabled. ``min_bytes`` (``MPISTRAT_SHM_MIN_BYTES``) defaults to a rule,
-never a measurement, since the choice between this path and MPI's decides the
-order in which values are summed: 16 KiB, 64 KiB where the machine's ranks
-outnumber its cores (benchmarks/README.md has the measurements).
+:class:`ShmTransport` reduces the host buckets every rank of a node packs into its segment of one
+shared window; across nodes, the ranks with the same local rank all-reduce their slices with MPI.
 """
 
 from __future__ import annotations
@@ -79,8 +40,8 @@ SUPPORTED_DTYPES = frozenset(
 _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum only
 
 # The smallest bucket this path takes by default (MPISTRAT_SHM_MIN_BYTES=auto): below it MPI's own
-# shared-memory all-reduce is faster. A fixed rule, not a measurement: the choice decides the order
-# in which values are summed, so it must not change with the machine's load.
+# shared-memory all-reduce is faster (benchmarks/README.md). A fixed rule, not a measurement: the
+# choice decides the order in which values are summed, so it must not change with the machine's load.
 MIN_BYTES = 16 << 10
 MIN_BYTES_OVERSUBSCRIBED = 64 << 10
 
@@ -113,8 +74,49 @@ def _sum_segments(ufunc: np.ufunc, views: list[np.ndarray], start: int, end: int
 class ShmTransport(Transport):
     """All-reduce of host buckets through a node shared-memory window (collective to create).
 
+    The caller packs its data straight into this rank's segment of one shared
+    window per node (:meth:`pack_buffer`), then :meth:`allreduce_packed`:
+
+    1. synchronise the node (everyone has packed);
+    2. reduce-scatter: node rank i sums slice i of the bucket across all the
+       node's segments, in cache-sized blocks, always in local-rank order
+       ``((s0 + s1) + s2) + ...`` (so every slice, on every path, is summed the
+       same way), and writes it into slice i of its own segment;
+    3. across nodes (hierarchical): node rank i all-reduces its slice with MPI
+       over ``cross_comm`` (the ranks with the same local rank on every node),
+       non-blocking, polled by the topology's waiter (MPI's blocking wait never
+       yields); then (on one node, block by block right after step 2) node rank i
+       pushes its reduced slice into slice i of every other rank's segment;
+    4. synchronise the node again; every rank reads the whole result from its
+       own segment.
+
+    Push, don't pull: a cache line another core has only read must be
+    invalidated there before this core writes it again, so every line of a
+    segment is last written by the core that reads it next or read by the core
+    that writes it next.
+
+    Two synchronisations suffice with one bucket: a rank packs its segment for
+    the next call only after this call's second synchronisation, which every
+    rank reaches only after it has finished reading the segments; owners push
+    into a segment only after the next call's first synchronisation. Results are
+    therefore valid until the next ``pack_buffer``. Two buckets alternate only
+    after a one-synchronisation reduce (on one node, buckets up to
+    ``direct_max_bytes``: every rank sums all segments straight into its
+    output, in the same order), where a fast rank may pack again while a slow
+    one still reads every segment. Nodes of different sizes work too: slices are
+    owned by the first P local ranks of each node, P the smallest node's size.
+
+    :meth:`allreduce_array` reduces one contiguous array without caller-side packing,
+    chunk by chunk above ``chunk_bytes`` so each chunk stays in cache, and writes
+    results straight into shared result blocks (``result_blocks``,
+    :mod:`~mpistrat.comm.transport.shm.results`) where the caller took one. The window
+    grows collectively (to the next power of two, at most ``max_bytes`` per bucket)
+    inside ``pack_buffer``; larger buckets are not enabled.
+
     ``topology``: the communicator's split (made here, and freed by ``close``,
     when not given); ``pretend_nodes`` cuts the ranks into pretend nodes then.
+    ``min_bytes`` (``MPISTRAT_SHM_MIN_BYTES``) defaults to a rule, :data:`MIN_BYTES`
+    (:data:`MIN_BYTES_OVERSUBSCRIBED` where the machine's ranks outnumber its cores);
     ``min_bytes=0`` enables it for every size (what forcing it means).
     ``timeout_seconds`` bounds every wait. Keyword arguments override the
     ``MPISTRAT_SHM_*`` settings; the ranks agree on the result.
@@ -222,7 +224,7 @@ class ShmTransport(Transport):
         memory this transport owns (valid until the next ``pack_buffer``); returns it.
 
         Up to ``direct_max_bytes``: one synchronisation, then each rank sums every segment into
-        the result. Otherwise the reduce-scatter (module docstring), whose result is this rank's
+        the result. Otherwise the reduce-scatter (class docstring), whose result is this rank's
         own segment (copied into ``out`` when given).
         """
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
@@ -255,7 +257,7 @@ class ShmTransport(Transport):
         self, count: int, dtype: np.dtype, ufunc: np.ufunc, op: str, own: np.ndarray | None = None,
         synced: bool = False, shared: SharedResults | None = None, offset: int = 0,
     ) -> np.ndarray:
-        """Steps 1-4 of the module docstring; the result, a view of this rank's segment. ``own``: this
+        """Steps 1-4 of the class docstring; the result, a view of this rank's segment. ``own``: this
         rank's data in private memory, read for its own slice instead of its segment (which then need
         not hold it). ``synced``: step 1's synchronisation already happened (the agreement check stood
         for it). ``shared`` (with ``own``, on one node): the ranks' published result blocks, written from
@@ -295,7 +297,7 @@ class ShmTransport(Transport):
             self._wait(self.layout.cross_comm.Iallreduce(MPI.IN_PLACE, plan.cross, op=ops.mpi_op(op)))
             for target in plan.cross_targets:
                 copyto(target, plan.cross)
-        sync.wait()  # the same bucket next time: every rank has read the segments (module docstring)
+        sync.wait()  # the same bucket next time: every rank has read the segments (class docstring)
         return plan.result
 
     def allreduce_array(

@@ -1,13 +1,7 @@
 """The shared-memory transport's one start-up measurement: whether long arrays go in chunks.
 
-``MPISTRAT_SHM_CHUNK_BYTES=auto`` leaves this choice to :func:`measure_chunks`:
-at the first array of at least ``CHUNK_MEASURE_MIN`` bytes, ``AUTO_CHUNK_BYTES``
-chunks are timed against one pass (alternating, each after a barrier, the
-slowest rank's time per repetition, the first repetition dropped), decided on
-rank 0 and broadcast, so every rank cuts the same chunks. The result is cached
-per process by rank set, so it is measured once. Chunking never changes the
-order in which a reduction sums the ranks' values, so results do not depend
-on the measurement; only its speed does.
+Chunking never changes the order in which a reduction sums the ranks' values, so results do not
+depend on the measurement; only its speed does.
 """
 
 from __future__ import annotations
@@ -78,6 +72,12 @@ def measure_chunks(
     """``AUTO_CHUNK_BYTES`` if reducing ``count`` items of ``dtype`` (at most ``CHUNK_MEASURE_MAX``
     bytes of them) in such chunks beats one pass, else 0; and the measurement ``(bytes, one pass s,
     chunked s)`` (collective over ``comm``; cached under ``key``, empty then).
+
+    ``MPISTRAT_SHM_CHUNK_BYTES=auto`` leaves this choice to this function: at the first array of at
+    least ``CHUNK_MEASURE_MIN`` bytes, ``AUTO_CHUNK_BYTES`` chunks are timed against one pass
+    (alternating, each after a barrier, the slowest rank's time per repetition, the first repetition
+    dropped: :func:`time_alternating`), decided on rank 0 and broadcast, so every rank cuts the same
+    chunks. The result is cached per process by rank set, so it is measured once.
 
     ``reduce_in_chunks(source, out, chunk_items)`` reduces ``source`` into ``out`` (0: one pass).
     Measured at the size that triggered it, so the window grows no further than that array

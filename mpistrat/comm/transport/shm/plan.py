@@ -1,12 +1,4 @@
-"""The views one window reduce-scatter touches, computed once per bucket, dtype and count.
-
-:class:`~mpistrat.comm.transport.shm.allreduce.ShmAllreduceBackend` sums slice ``i``
-of a bucket on node rank ``i`` (an owner) and pushes the sum into every other
-node rank's segment (on one node block by block, across nodes after the
-cross-node reduction), so every rank reads the whole result from its own
-segment. A :class:`ReducePlan` holds those views, so a call only loops over
-them.
-"""
+"""The views one window reduce-scatter touches, computed once per bucket, dtype and count."""
 
 from __future__ import annotations
 
@@ -18,7 +10,14 @@ __all__ = ["ReducePlan", "make_plan"]
 class ReducePlan:
     """Precomputed views of one reduce: the result (this rank's segment), the reduction blocks
     ``(sources, destination, copy-back or None, push targets, start, end)``, the cross-node
-    slice and where it is pushed once reduced across nodes."""
+    slice and where it is pushed once reduced across nodes.
+
+    :class:`~mpistrat.comm.transport.shm.allreduce.ShmTransport` sums slice ``i``
+    of a bucket on node rank ``i`` (an owner) and pushes the sum into every other
+    node rank's segment (on one node block by block, across nodes after the
+    cross-node reduction), so every rank reads the whole result from its own
+    segment. A plan holds those views, so a call only loops over them.
+    """
 
     __slots__ = ("result", "blocks", "cross", "cross_targets")
 

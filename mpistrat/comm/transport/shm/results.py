@@ -1,26 +1,7 @@
 """Result arrays in node shared memory, so that slice owners write the result straight into them.
 
-Without them, :class:`~mpistrat.comm.transport.shm.allreduce.ShmTransport`'s
-reduce-scatter leaves every rank's result in its own window segment and the
-rank copies it out into its private result array: one more read and write of
-the whole array per call (at 2 ranks, 4 MiB: 175 of 600 us). When the result
-array is one of this module's blocks, each owner writes its reduced slice
-into every rank's block directly and nothing is copied out.
-
-One :class:`SharedResults` per array size and dtype (``count``, ``dtype``):
-a shared window whose segment on each node rank holds a control line and
-:data:`SLOTS` result blocks. Each rank picks one of its blocks per call (the
-communicator's result pool hands out a block nobody holds, or a private array
-when the caller holds all of them) and publishes its choice in its control
-line before the call's first node synchronisation; owners read every rank's
-choice after it and write into that block, or into the rank's window segment
-when it published :data:`PRIVATE` (that rank copies out as before).
-
-Lifetime: a block handed to a caller keeps its window's memory mapped
-(``SharedWindow.free`` keeps a window whose views are alive until exit), so
-results stay valid after the strategy is gone. Each block is a separate
-array over its own memory view, so views a caller makes of a result refer to
-that block: the pool sees which blocks are held.
+Without them, the shared-memory transport's reduce-scatter leaves every rank's result in its own
+window segment, and the rank copies it out: one more read and write of the whole array per call.
 """
 
 from __future__ import annotations
@@ -39,7 +20,7 @@ __all__ = ["MAX_BYTES", "PRIVATE", "SLOTS", "ResultBlocks", "SharedResults"]
 SLOTS = 2  # result blocks per rank and size: a step's result, and the previous one still held
 PRIVATE = -1  # published when this call's result is a private array (copied out of the segment)
 _CONTROL_BYTES = 64  # one cache line per rank: the published slot
-_SIZES_MAX = 16  # sizes (count, dtype) given shared blocks, per backend
+_SIZES_MAX = 16  # sizes (count, dtype) given shared blocks, per transport
 # Largest array given shared blocks: shared memory has 4 KiB pages (no transparent huge pages for
 # shmem) while NumPy's large private arrays get huge pages, so above this, writing into every rank's
 # block costs more page walks than the saved copy (benchmarks/README.md, "shared result blocks").
@@ -53,7 +34,23 @@ def _references(blocks: list[np.ndarray]) -> list[int]:
 
 class SharedResults(ResultBlockSet):
     """:data:`SLOTS` shared result blocks of ``count`` items of ``dtype`` per node rank (collective
-    over ``node_comm``: every rank passes the same ``count`` and ``dtype``)."""
+    over ``node_comm``: every rank passes the same ``count`` and ``dtype``).
+
+    One per array size and dtype: a shared window whose segment on each node rank holds a control
+    line and the rank's :data:`SLOTS` result blocks. Each rank picks one of its blocks per call (the
+    communicator's result pool hands out a block nobody holds, or a private array when the caller
+    holds all of them) and publishes its choice in its control line before the call's first node
+    synchronisation; owners read every rank's choice after it and write their reduced slice into
+    that block, or into the rank's window segment when it published :data:`PRIVATE` (that rank
+    then copies its result out of its segment). When the result array is one of these blocks,
+    nothing is copied out.
+
+    Lifetime: a block handed to a caller keeps its window's memory mapped
+    (``SharedWindow.free`` keeps a window whose views are alive until exit), so
+    results stay valid after the strategy is gone. Each block is a separate
+    array over its own memory view, so views a caller makes of a result refer to
+    that block: the pool sees which blocks are held.
+    """
 
     def __init__(self, node_comm: MPI.Comm, count: int, dtype: np.dtype) -> None:
         self.count = count
@@ -127,10 +124,10 @@ class SharedResults(ResultBlockSet):
 
 
 class ResultBlocks(ResultBlockSource):
-    """A backend's :class:`SharedResults`, one per array size, made at the first all-reduce of that
+    """A transport's :class:`SharedResults`, one per array size, made at the first all-reduce of that
     size (collective: every rank reduces the same sizes in the same order, agreed before).
 
-    ``enabled``: the backend pushes results (one node, two ranks or more); only arrays of more
+    ``enabled``: the transport pushes results (one node, two ranks or more); only arrays of more
     than ``above`` bytes (below, every rank writes its own result anyway) and at most
     :data:`MAX_BYTES` get blocks, at most ``budget`` bytes per rank in all (address space: a
     block's pages are backed once written).

@@ -1,11 +1,8 @@
 """The shared-memory transport's settings, checked per rank and then agreed over the ranks.
 
-Each rank takes its constructor arguments, else its ``MPISTRAT_SHM_*``
-settings (:mod:`mpistrat.config`), and checks them before any collective
-(:func:`read_settings`). The ranks then agree (:func:`agree_settings` on the
-all-gathered settings): a rank whose environment differs must not take
-another path or cut other chunks than its peers, or the node's
-synchronisations would never meet.
+A rank whose environment differs must not take another path or cut other chunks than its peers, or
+the node's synchronisations would never meet: :func:`read_settings` checks each rank's settings before
+any collective, :func:`agree_settings` picks the ones every rank uses.
 """
 
 from __future__ import annotations
@@ -44,6 +41,9 @@ def read_settings(
     sync: str | None = None,
 ) -> ShmSettings:
     """This rank's settings: the arguments, else ``config.settings()``, checked (ValueError names the bad one).
+
+    Each rank takes its constructor arguments, else its ``MPISTRAT_SHM_*`` settings
+    (:mod:`mpistrat.config`), and checks them before any collective.
 
     ``min_bytes`` None (``auto``) leaves the size to the transport's rule; ``chunk_bytes`` None
     (``auto``) leaves it to measurement.
