@@ -18,7 +18,7 @@ ratio is what a caller gets. "exact" checks the window result against the raw
 result bit for bit on integer-valued float32 data (order-independent sums).
 
 Knobs (see ``mpistrat/comm/transport/shm/allreduce.py``): ``MPISTRAT_SHM_MIN_BYTES``
-(default: 16K, 64K where ranks outnumber cores), ``MPISTRAT_SHM_MAX_BYTES`` (64M),
+(default: 16K), ``MPISTRAT_SHM_MAX_BYTES`` (64M),
 ``MPISTRAT_SHM_BLOCK_BYTES`` (an eighth of L2), ``--sync`` (barrier|counter),
 ``MPISTRAT_PRETEND_NODES``. For the plain MPI path
 above 32 MiB set ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296``:

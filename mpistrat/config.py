@@ -25,6 +25,7 @@ __all__ = [
     "parse_bytes",
     "parse_bool",
     "l2_cache_bytes",
+    "default_chunk_bytes",
 ]
 
 PREFIX = "MPISTRAT_"
@@ -143,6 +144,15 @@ def _default_block_bytes() -> tuple[int, str]:
     return block, "hardware"
 
 
+def default_chunk_bytes() -> tuple[int, str]:
+    """The shared-memory transport's chunk for long single arrays: half of L2, so a chunk's copy in,
+    sum and copy out stay in cache (1 MiB when L2 is unknown); and where that came from."""
+    l2 = l2_cache_bytes()
+    if l2 is None:
+        return 1 << 20, "default"
+    return 1 << max(18, (l2 // 2).bit_length() - 1), "hardware"  # a power of two, at least 256 KiB
+
+
 VARIABLES: tuple[Variable, ...] = (
     Variable("MPISTRAT_TIMEOUT_SECONDS", "timeout_seconds", _seconds(0.0, False), 600.0,
              "how long a collective waits for the other ranks (CommunicationOptions.timeout_seconds=None)"),
@@ -153,14 +163,14 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPISTRAT_STALL_SHUTDOWN_SECONDS", "stall_shutdown_seconds", _seconds(0.0, True), 0.0,
              "a collective stalled this long raises on every rank (0: off)"),
     Variable("MPISTRAT_SHM_MIN_BYTES", "shm_min_bytes", _min_bytes, "auto",
-             "smallest bucket for the shared-memory window: a size, off, or auto (16K; 64K where ranks "
-             "outnumber cores)"),
+             "smallest bucket for the shared-memory window: a size, off, or auto (16K)"),
     Variable("MPISTRAT_SHM_MAX_BYTES", "shm_max_bytes", parse_bytes, 64 << 20,
              "largest bucket for the shared-memory window, per rank"),
     Variable("MPISTRAT_SHM_BLOCK_BYTES", "shm_block_bytes", parse_bytes, None,
              "block of the shared-memory reduce-scatter (default: an eighth of the L2 cache)"),
-    Variable("MPISTRAT_SHM_CHUNK_BYTES", "shm_chunk_bytes", _chunk_bytes, 1 << 20,
-             "single arrays longer than this are reduced chunk by chunk (0: never; auto: measured)"),
+    Variable("MPISTRAT_SHM_CHUNK_BYTES", "shm_chunk_bytes", _chunk_bytes, None,
+             "single arrays longer than this are reduced chunk by chunk (default: half of the L2 cache; "
+             "0: never; auto: measured)"),
     Variable("MPISTRAT_AGREEMENT", "agreement", _choice("auto", "mpi"), "auto",
              "transport of the agreement check: auto (node shared memory on one node) or mpi"),
     Variable("MPISTRAT_PRETEND_NODES", "pretend_nodes", _positive_int, None,
@@ -219,6 +229,8 @@ class _Parsed:
                 self.errors[var.field] = str(exc)
         if self.values.get("shm_block_bytes", 0) is None:
             self.values["shm_block_bytes"], self.sources["shm_block_bytes"] = _default_block_bytes()
+        if self.values.get("shm_chunk_bytes", 0) is None:
+            self.values["shm_chunk_bytes"], self.sources["shm_chunk_bytes"] = default_chunk_bytes()
         self.settings = None if self.errors else Settings(**self.values, sources=self.sources)
 
 

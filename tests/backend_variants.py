@@ -1,10 +1,10 @@
-"""Run a module's collective tests once per all-reduce backend layout.
+"""Run a module's collective tests once per host transport layout.
 
 Import the fixture into a test module (``from backend_variants import
 backend_variant  # noqa: F401``): it is autouse, so every test of that module
-runs, at 2 and 4 ranks, with the node shared-memory backend
+runs, at 2 and 4 ranks, with the node shared-memory transport
 
-* ``auto``: as configured by default (size threshold measured at start-up);
+* ``auto``: as configured by default (the size threshold's rule);
 * ``shm-forced``: taken for every bucket size (``MPISTRAT_SHM_MIN_BYTES=0``);
 * ``shm-off``: never taken, plain MPI only (``MPISTRAT_SHM_MIN_BYTES=off``);
 * ``pretend-2-nodes``: forced on, the ranks cut into two pretend nodes
@@ -12,7 +12,7 @@ runs, at 2 and 4 ranks, with the node shared-memory backend
 
 The environment is read when a communicator is created, so it applies to
 every communicator and strategy the test builds. On one rank there is no
-backend to vary: only ``auto`` runs.
+transport to vary: only ``auto`` runs.
 """
 
 from __future__ import annotations

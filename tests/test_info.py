@@ -148,6 +148,11 @@ def test_collect_gathers_every_rank(comm):
         job, rows = result
         assert job["world_size"] == comm.Get_size()
         assert [r["rank"] for r in rows] == list(range(comm.Get_size()))
-        assert len(format_table(job, rows).splitlines()) == 4 + 1 + comm.Get_size()
+        job_lines, table, settings, chosen = format_table(job, rows).split("\n\n")
+        assert len(job_lines.splitlines()) == 3 and len(table.splitlines()) == 1 + comm.Get_size()
+        assert settings.startswith("settings") and len(settings.splitlines()) == 2 + len(job["settings"])
+        assert chosen.splitlines()[0] == "a communicator over all ranks chose:"
+        assert [t["name"] for t in job["communicator"]["transports"]][-1] == "mpi"
+        assert "transport mpi" in chosen
     else:
         assert result is None

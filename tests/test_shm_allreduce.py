@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpistrat import ops
+from mpistrat import config, ops
 from mpistrat.comm.runtime.topology import node_layout
 from mpistrat.comm.runtime.waiter import OVERSUBSCRIBED_YIELDS, ranks_outnumber_cores
 from mpistrat.comm.transport.shm import allreduce as shm_allreduce
@@ -240,18 +240,14 @@ def test_close_with_a_held_piece_keeps_memory():
 
 @pytest.mark.mpi(min_size=2)
 def test_the_size_threshold_is_a_rule_not_a_measurement():
-    """``auto``: 16 KiB, 64 KiB where the machine's ranks outnumber its cores, never with one rank per
-    node; the same on every rank, whatever the machine's load (it decides the summation order)."""
+    """``auto``: 16 KiB, never with one rank per node; the same on every rank, whatever the machine's load
+    (the choice between this path and MPI's decides the summation order)."""
     comm = MPI.COMM_WORLD
     for pretend in (None, comm.size):
         b = ShmTransport(comm, pretend_nodes=pretend)
         try:
-            if b.owners < 2:
-                expected = b.max_bytes + 1
-            elif b.topology.oversubscribed:
-                expected = shm_allreduce.MIN_BYTES_OVERSUBSCRIBED
-            else:
-                expected = shm_allreduce.MIN_BYTES
+            expected = b.max_bytes + 1 if b.owners < 2 else shm_allreduce.MIN_BYTES
+            assert shm_allreduce.MIN_BYTES == 16 << 10
             assert b.min_bytes == expected and len(set(comm.allgather(b.min_bytes))) == 1
             x = _data(5000, "float64", comm.rank)
             ref = x.copy()
@@ -616,12 +612,16 @@ def test_every_rank_reads_the_whole_result_from_its_own_segment(backend):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_long_arrays_go_in_1_MiB_chunks_by_default(monkeypatch):
+def test_long_arrays_go_in_chunks_of_half_the_l2_cache_by_default(monkeypatch):
     monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
     monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
     b = ShmTransport(MPI.COMM_WORLD, min_bytes=0)
+    chunk, source = config.default_chunk_bytes()
+    l2 = config.l2_cache_bytes()
+    assert source == ("default" if l2 is None else "hardware")
+    assert chunk == (1 << 20 if l2 is None else max(1 << 18, 1 << ((l2 // 2).bit_length() - 1)))
     try:
-        assert b.chunk_bytes == 1 << 20 and b._chunk_items(4 << 20, np.dtype(np.float64)) == (1 << 20) // 8
+        assert b.chunk_bytes == chunk and b._chunk_items(4 << 20, np.dtype(np.float64)) == chunk // 8
         assert shm_calibration.CHUNK_DECISIONS == {}, "nothing measured"
     finally:
         b.close()

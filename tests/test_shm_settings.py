@@ -1,23 +1,25 @@
-"""Reading and agreeing the shared-memory backend's settings (no MPI needed)."""
+"""Reading and agreeing the shared-memory transport's settings (no MPI needed)."""
 
 import pytest
 
+from mpistrat import config
 from mpistrat.comm.transport.shm.settings import NEVER, ShmSettings, agree_settings, read_settings
 
 
 def test_defaults_and_environment(monkeypatch):
-    for name in ("MAX", "BLOCK", "CHUNK", "MIN", "SYNC"):
-        monkeypatch.delenv(f"MPISTRAT_SHM_{name}_BYTES" if name != "SYNC" else "MPISTRAT_SHM_SYNC", raising=False)
-    assert read_settings() == ShmSettings(64 << 20, 256 << 10, 1 << 20, None, "counter")
+    for name in ("MAX", "BLOCK", "CHUNK", "MIN"):
+        monkeypatch.delenv(f"MPISTRAT_SHM_{name}_BYTES", raising=False)
+    block, chunk = config.settings().shm_block_bytes, config.default_chunk_bytes()[0]  # from the L2 cache
+    assert read_settings() == ShmSettings(64 << 20, block, chunk, None, "counter")
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "auto")  # left to measurement
     assert read_settings().chunk_bytes is None
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "off")
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "1M")
     monkeypatch.setenv("MPISTRAT_SHM_MAX_BYTES", "32M")
-    assert read_settings() == ShmSettings(32 << 20, 256 << 10, 1 << 20, NEVER, "counter")
+    assert read_settings() == ShmSettings(32 << 20, block, 1 << 20, NEVER, "counter")
     # arguments win over the environment; "auto" leaves the chunk size to measurement
     assert read_settings(max_bytes=4096, chunk_bytes="auto", min_bytes=0, sync="barrier") == ShmSettings(
-        4096, 256 << 10, None, 0, "barrier")
+        4096, block, None, 0, "barrier")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -122,14 +122,7 @@ def _communicator_facts(comm: Any) -> dict[str, Any] | str:
     except ValueError as exc:  # a malformed setting: raised on every rank alike
         return f"error: {exc}"
     try:
-        transports = []
-        for t in rc.transports:
-            entry: dict[str, Any] = {"name": t.name}
-            for attr in ("min_bytes", "max_bytes", "block_bytes", "chunk_bytes", "direct_max_bytes"):
-                if hasattr(t, attr):
-                    value = getattr(t, attr)
-                    entry[attr] = "measured at the first long array" if value is None else value
-            transports.append(entry)
+        transports = [t.describe() for t in rc.transports]
         top = rc.topology
         return {
             "transports": transports,

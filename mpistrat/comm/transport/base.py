@@ -134,3 +134,7 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release what the transport holds (collective)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What this transport chose, for ``python -m mpistrat info`` (its name; subclasses add sizes)."""
+        return {"name": self.name}

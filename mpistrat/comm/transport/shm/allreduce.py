@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -29,7 +30,6 @@ __all__ = [
     "DIRECT_MAX_BYTES",
     "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
     "MIN_BYTES",
-    "MIN_BYTES_OVERSUBSCRIBED",
     "SUPPORTED_DTYPES",
 ]
 
@@ -40,10 +40,9 @@ SUPPORTED_DTYPES = frozenset(
 _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum only
 
 # The smallest bucket this path takes by default (MPISTRAT_SHM_MIN_BYTES=auto): below it MPI's own
-# shared-memory all-reduce is faster (benchmarks/README.md). A fixed rule, not a measurement: the
+# shared-memory all-reduce is as fast (benchmarks/README.md). A fixed rule, not a measurement: the
 # choice decides the order in which values are summed, so it must not change with the machine's load.
 MIN_BYTES = 16 << 10
-MIN_BYTES_OVERSUBSCRIBED = 64 << 10
 
 _INITIAL = 1 << 20
 # On one node, buckets up to this size take one synchronisation (every rank sums every segment);
@@ -115,8 +114,7 @@ class ShmTransport(Transport):
 
     ``topology``: the communicator's split (made here, and freed by ``close``,
     when not given); ``pretend_nodes`` cuts the ranks into pretend nodes then.
-    ``min_bytes`` (``MPISTRAT_SHM_MIN_BYTES``) defaults to a rule, :data:`MIN_BYTES`
-    (:data:`MIN_BYTES_OVERSUBSCRIBED` where the machine's ranks outnumber its cores);
+    ``min_bytes`` (``MPISTRAT_SHM_MIN_BYTES``) defaults to a rule, :data:`MIN_BYTES`;
     ``min_bytes=0`` enables it for every size (what forcing it means).
     ``timeout_seconds`` bounds every wait. Keyword arguments override the
     ``MPISTRAT_SHM_*`` settings; the ranks agree on the result.
@@ -181,7 +179,7 @@ class ShmTransport(Transport):
         elif self.owners < 2:
             self.min_bytes = self.max_bytes + 1  # one rank per node: nothing to share, plain MPI
         else:
-            self.min_bytes = MIN_BYTES_OVERSUBSCRIBED if oversubscribed else MIN_BYTES
+            self.min_bytes = MIN_BYTES
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
@@ -194,6 +192,13 @@ class ShmTransport(Transport):
             transport.close()
             return None
         return transport
+
+    def describe(self) -> dict[str, Any]:
+        """The name, the sizes the ranks agreed on, and the synchronisation."""
+        return {"name": self.name, "min_bytes": self.min_bytes, "max_bytes": self.max_bytes,
+                "direct_max_bytes": self.direct_max_bytes, "block_bytes": self.block_bytes,
+                "chunk_bytes": "measured at the first long array" if self.chunk_bytes is None else self.chunk_bytes,
+                "sync": self.sync_kind}
 
     # -- the transport contract ------------------------------------------------
     def enabled(self, nbytes: int, dtype: np.dtype, op: str) -> bool:

@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from mpistrat import config
+
 __all__ = [
     "AUTO_CHUNK_BYTES",
     "CHUNK_MEASURE_MIN",
@@ -20,7 +22,7 @@ __all__ = [
     "time_alternating",
 ]
 
-AUTO_CHUNK_BYTES = 1 << 20  # the chunk size ``auto`` measures and uses
+AUTO_CHUNK_BYTES = config.default_chunk_bytes()[0]  # the chunk ``auto`` measures and uses: half of L2
 CHUNK_MEASURE_MIN = 4 << 20  # the first array this long decides (four chunks or more)
 CHUNK_MEASURE_MAX = 16 << 20  # the longest array the chunk measurement reduces
 CHUNK_REPS = 5
