@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import config, ops, timeline
+from mpistrat.ops import WIRE_OPS
 from mpistrat.comm.agreement.call import FIRST, CallAgreement, check_aux, choose_mode, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
 from mpistrat.comm.agreement.signatures import CallKey, fingerprint
@@ -21,12 +22,12 @@ from mpistrat.comm.errors import CollectiveError, allgather_checked
 from mpistrat.comm.execute import run_steps
 from mpistrat.comm.fusion import pack, plan_buckets
 from mpistrat.comm.options import CommunicationOptions
-from mpistrat.comm.plan import Planner, Step
+from mpistrat.comm.plan import Planner
 from mpistrat.comm.runtime.lifetime import Resources, release_dropped, track
 from mpistrat.comm.runtime.topology import topology
 from mpistrat.comm.signature import CAI, CUPY, HOST, allreduce_signature
 from mpistrat.comm.transport import table
-from mpistrat.comm.transport.base import Transport, TransportContext
+from mpistrat.comm.transport.base import NO_AGREEMENT, Transport, TransportContext
 from mpistrat.comm.transport.cuda import DeviceMpiTransport, mpi_cuda_support
 from mpistrat.comm.transport.mpi import MpiTransport, mpi_datatype
 from mpistrat.devices import is_cupy_array, is_device_buffer, synchronize_producer
@@ -172,48 +173,51 @@ class RankCommunicator:
         """
         traced = timeline.enabled()
         t0 = timeline.now_us() if traced else 0.0
-        timeout, pack_bytes = self._settings(options)
+        timeout, pack_bytes = (self._timeout, self._pack) if options is None else self._settings(options)
         arrays = list(arrays)
         # Plan: the signature (validating the arrays) and the steps, cached by the call's fingerprint.
-        opname, error = _op_param(op)
+        opname, error = (op, None) if type(op) is str and op in WIRE_OPS else _op_param(op)
         sig, kinds, sig_error = allreduce_signature(arrays, inplace, self._device_mpi_missing)
         error = error or sig_error
         key = ("allreduce", (("op", opname),), sig)
         h = 0
-        steps: list[Step] | None = None
-        planned_before = False
+        plan = None
+        mode = FIRST  # a call not planned before: checked before anything else
         if error is None:
             h = fingerprint(key)
             plan_key = (h, kinds, pack_bytes, inplace)
-            steps = self._planner.cached(plan_key)
-            planned_before = steps is not None
-            if steps is None:
+            plan = self._planner.cached(plan_key)
+            if plan is not None:
+                mode = plan.repeat_mode
+            else:
                 try:
-                    steps = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)
+                    plan = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)
                 except (TypeError, ValueError) as exc:
                     error = exc
+                else:
+                    first = plan.steps[0] if plan.steps else None
+                    if first is not None:
+                        plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
+                                                       first.transport.folds_agreement)
         if error is not None:
             self._agree(key, timeout, error=error)  # raises on every rank
-        assert steps is not None
+        assert plan is not None
         if self.size == 1:
             self._agree(key, timeout)  # only checks that the communicator is open
             results = arrays if inplace else [a.copy() for a in arrays]
         else:
             # Agreement, then execute: the first bucket's transport completes the check (agreement/call.py).
             agreement = self._agreement
-            first = steps[0] if steps else None
-            mode = FIRST if first is None else choose_mode(
-                self._guard, planned_before, first.kind == HOST, first.bucket.nbytes, first.transport.folds_agreement)
             hook = agreement.begin(key, h, timeout, pack_bytes, mode)
             try:
-                results = run_steps(steps, arrays, opname, inplace, hook)
+                results = run_steps(plan.steps, arrays, opname, inplace, hook)
             except BaseException as exc:
                 agreement.fail(exc)
                 raise
-            agreement.end(first.transport if first is not None else None)
+            if hook is not NO_AGREEMENT:
+                agreement.end(plan.steps[0].transport)
         if traced:
-            self._record("allreduce", t0, sum(s.bucket.nbytes for s in steps), op=opname, arrays=len(arrays),
-                         buckets=len(steps))
+            self._record("allreduce", t0, plan.nbytes, op=opname, arrays=len(arrays), buckets=len(plan.steps))
         return results
 
     # ------------------------------------------------------------------ all-gather

@@ -15,7 +15,7 @@ from mpistrat.comm.signature import CAI, CUPY, HOST
 from mpistrat.comm.transport.base import Transport
 from mpistrat.comm.transport.mpi import mpi_datatype
 
-__all__ = ["Step", "Planner"]
+__all__ = ["Step", "Plan", "Planner"]
 
 PLAN_CACHE_MAX = 512
 
@@ -49,6 +49,21 @@ class Step:
         return self._src_views
 
 
+class Plan:
+    """The steps of one call signature, and where the agreement check of a repeated call runs.
+
+    ``repeat_mode`` is set by the communicator when it makes the plan (agreement/call.py:
+    ``choose_mode``), since it depends only on the first step and the communicator.
+    """
+
+    __slots__ = ("steps", "nbytes", "repeat_mode")
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+        self.nbytes = sum(s.bucket.nbytes for s in steps)
+        self.repeat_mode = 0
+
+
 class Planner:
     """Makes and caches the plans of one communicator.
 
@@ -64,14 +79,14 @@ class Planner:
     def __init__(self, host: list[Transport], device: Callable[[], list[Transport]]) -> None:
         self._host = host
         self._device = device
-        self._plans: dict[Any, list[Step]] = {}
+        self._plans: dict[Any, Plan] = {}
 
-    def cached(self, key: Any) -> list[Step] | None:
+    def cached(self, key: Any) -> Plan | None:
         """The plan filed under ``key``, if any."""
         return self._plans.get(key)
 
-    def plan(self, key: Any, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> list[Step]:
-        """The steps of a call not planned before, filed under ``key`` (TypeError/ValueError for dtypes
+    def plan(self, key: Any, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> Plan:
+        """The plan of a call not planned before, filed under ``key`` (TypeError/ValueError for dtypes
         or ops no rank could reduce: raised before anything collective)."""
         for i, entry in enumerate(sig):
             dtype = np.dtype(entry[1])
@@ -102,8 +117,8 @@ class Planner:
                 steps.append(Step(b, kind, transport, xp))
         if len(self._plans) >= PLAN_CACHE_MAX:
             self._plans.clear()
-        self._plans[key] = steps
-        return steps
+        plan = self._plans[key] = Plan(steps)
+        return plan
 
     def clear(self) -> None:
         """Forget every plan."""

@@ -37,9 +37,10 @@ def check_aux(pack_bytes: int, staged_first: bool = False) -> int:
 def require_same_pack(aux: np.ndarray, call: str = "allreduce") -> bool:
     """Raise (on every rank: all see the same values) unless every rank fuses with the same bucket
     size; whether every rank staged its first bucket before its check (:data:`STAGED_FIRST`)."""
-    lo, hi = int(aux.min()), int(aux.max())
+    values = aux.tolist()  # a few ints: Python's min and max beat NumPy's call overhead
+    lo, hi = min(values), max(values)
     if lo >> 1 != hi >> 1:
-        detail = "; ".join(f"rank {r}: {int(p) >> 1}" for r, p in enumerate(aux))
+        detail = "; ".join(f"rank {r}: {p >> 1}" for r, p in enumerate(values))
         raise CollectiveMismatchError(
             f"Mismatched {call} bytes_per_pack ({detail}): the ranks would fuse different buckets; "
             "pass the same CommunicationOptions on every rank"
@@ -47,10 +48,10 @@ def require_same_pack(aux: np.ndarray, call: str = "allreduce") -> bool:
     return bool(lo & STAGED_FIRST)
 
 
-def choose_mode(guard: AgreementGuard | None, planned_before: bool, host: bool, nbytes: int,
-                folds_agreement: bool) -> int:
-    """Where an all-reduce's check runs, from its first bucket (the modes: :class:`CallAgreement`)."""
-    if guard is None or not planned_before or not host or nbytes > OVERLAP_MAX_BYTES:
+def choose_mode(guard: AgreementGuard | None, host: bool, nbytes: int, folds_agreement: bool) -> int:
+    """Where the check of a repeated all-reduce runs, from its first bucket (the modes:
+    :class:`CallAgreement`; a call not planned before is always checked ``FIRST``)."""
+    if guard is None or not host or nbytes > OVERLAP_MAX_BYTES:
         return FIRST
     return FOLD if folds_agreement and guard.transport == "shm" else OVERLAP
 

@@ -110,6 +110,8 @@ class AgreementGuard:
         self._open: tuple | None = None  # a started check: (request, key, timeout, fingerprint, arrival ms)
         self._stall_warning, self._stall_shutdown = settings.stall_warning_seconds, settings.stall_shutdown_seconds
         self._exited: dict[int, tuple] = {}  # rank -> (its last seq, how it ended)
+        self._waiting_for: tuple | None = None  # the wait in progress: (request, key, start, deadline)
+        self._next_stall = 0.0
         _LIVE.add(self)
 
     # ---------------------------------------------------------------- public
@@ -247,30 +249,32 @@ class AgreementGuard:
         previous = _WAITING
         _WAITING = (self.index, self.seq, key, start)  # described only if a peer asks
         interval = self._stall_warning
-        next_stall = start + interval if interval > 0 else float("inf")
-        deadline = start + timeout
-
-        def tick(now: float) -> bool:
-            """Every millisecond: answer queries, look for exit notices and verdicts, inspect stalls."""
-            nonlocal next_stall
-            _service_all()
-            if self._exited or self._query.Iprobe(MPI.ANY_SOURCE, _TAG_EXITED):
-                self._peer_exited(key)
-            if self._query.Iprobe(MPI.ANY_SOURCE, _TAG_ABANDON):
-                self._abandoned_while_waiting(key)
-            if next_stall <= now < deadline:
-                if self._inspect_stall(req, key, start):
-                    return True
-                next_stall += interval
-            return False
-
+        self._waiting_for = (req, key, start, start + timeout)
+        self._next_stall = start + interval if interval > 0 else float("inf")
         try:
-            if self._waiter.until(req.Test, timeout, tick=tick, idle_after=_YIELD_SECONDS):
+            if self._waiter.until(req.Test, timeout, tick=self._tick, idle_after=_YIELD_SECONDS):
                 return False
             self._on_timeout(req, key, timeout, start)
             return True
         finally:
             _WAITING = previous
+            self._waiting_for = None
+
+    def _tick(self, now: float) -> bool:
+        """Every millisecond of a wait (:meth:`_wait`): answer queries, look for exit notices and
+        verdicts, inspect a stall when due; True when the check completed meanwhile."""
+        assert self._waiting_for is not None
+        req, key, start, deadline = self._waiting_for
+        _service_all()
+        if self._exited or self._query.Iprobe(MPI.ANY_SOURCE, _TAG_EXITED):
+            self._peer_exited(key)
+        if self._query.Iprobe(MPI.ANY_SOURCE, _TAG_ABANDON):
+            self._abandoned_while_waiting(key)
+        if self._next_stall <= now < deadline:
+            if self._inspect_stall(req, key, start):
+                return True
+            self._next_stall += self._stall_warning
+        return False
 
     def _answer_queries(self) -> None:
         """Answer pending "where are you?" queries (never blocks)."""

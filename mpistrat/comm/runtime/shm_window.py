@@ -226,6 +226,18 @@ class CounterSync(NodeSync):
         self.waiter = Waiter(default_spin(n), None) if waiter is None else waiter
         self.timeout = timeout
         self._names = list(rank_names) if rank_names is not None else list(range(n))
+        self._sync_counters = self._counters.win.Sync
+        self._waiting = 0  # this epoch: index in _others of the first peer not seen yet
+        self._poll = self._arrived  # bound once: a wait makes no objects
+
+    def _arrived(self) -> bool:
+        """Whether every peer's counter has reached this epoch, read after a memory barrier."""
+        self._sync_counters()
+        ctr, others, epoch, i = self._ctr, self._others, self._epoch, self._waiting
+        while i < len(others) and ctr[others[i], 0] >= epoch:
+            i += 1
+        self._waiting = i
+        return i == len(others)
 
     def wait(self) -> None:
         ctr = self._ctr
@@ -233,24 +245,16 @@ class CounterSync(NodeSync):
             raise RuntimeError("CounterSync is freed")
         self._epoch += 1
         epoch = self._epoch
-        sync = self._counters.win.Sync
         self._data_win.Sync()  # this rank's data stores before its counter
         ctr[self._me, 0] = epoch
-        sync()
+        self._sync_counters()
         others = self._others
-        waiting = 0  # index of the first peer not yet seen at this epoch
-        while waiting < len(others) and ctr[others[waiting], 0] >= epoch:
-            waiting += 1
-        if waiting < len(others):
-
-            def arrived() -> bool:
-                nonlocal waiting
-                sync()
-                while waiting < len(others) and ctr[others[waiting], 0] >= epoch:
-                    waiting += 1
-                return waiting == len(others)
-
-            if not self.waiter.until(arrived, self.timeout):
+        i = 0
+        while i < len(others) and ctr[others[i], 0] >= epoch:
+            i += 1
+        if i < len(others):
+            self._waiting = i
+            if not self.waiter.until(self._poll, self.timeout):
                 self._raise_timeout(epoch)
         self._data_win.Sync()  # peers' data stores visible before our loads
 

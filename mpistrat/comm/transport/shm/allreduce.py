@@ -29,6 +29,7 @@ __all__ = [
     "ShmTransport",
     "DIRECT_MAX_BYTES",
     "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
+    "DIRECT_IN_WINDOW_MAX_BYTES",
     "MIN_BYTES",
     "SUPPORTED_DTYPES",
 ]
@@ -50,6 +51,9 @@ _INITIAL = 1 << 20
 DIRECT_MAX_BYTES = 64 << 10
 # Where ranks outnumber cores a synchronisation costs more than the additions it saves: larger.
 DIRECT_MAX_BYTES_OVERSUBSCRIBED = 256 << 10
+# When the result may stay in the window (no ``out``), the reduce-scatter saves the copy out that
+# made one synchronisation win up to DIRECT_MAX_BYTES: it wins from smaller sizes then.
+DIRECT_IN_WINDOW_MAX_BYTES = 16 << 10
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
 
@@ -228,13 +232,17 @@ class ShmTransport(Transport):
         """Reduce what every rank packed into ``out`` (1-D, private memory), or, when None, into
         memory this transport owns (valid until the next ``pack_buffer``); returns it.
 
-        Up to ``direct_max_bytes``: one synchronisation, then each rank sums every segment into
-        the result. Otherwise the reduce-scatter (class docstring), whose result is this rank's
-        own segment (copied into ``out`` when given).
+        Up to ``direct_max_bytes`` (``DIRECT_IN_WINDOW_MAX_BYTES`` when the result may stay in the
+        window): one synchronisation, then each rank sums every segment into the result. Otherwise
+        the reduce-scatter (class docstring), whose result is this rank's own segment (copied into
+        ``out`` when given).
         """
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
         synced = self._staged(hook)
-        if count * dtype.itemsize <= self.direct_max_bytes:
+        direct_max = self.direct_max_bytes
+        if out is None:
+            direct_max = min(direct_max, DIRECT_IN_WINDOW_MAX_BYTES)
+        if count * dtype.itemsize <= direct_max:
             result = self._scratch.get(count, dtype) if out is None else out
             self._sum_all(count, dtype, ufunc, result, synced)
             return result
