@@ -16,6 +16,7 @@ from mpi4py import MPI
 from mpistrat import ops
 from mpistrat.comm.errors import allgather_checked
 from mpistrat.comm.options import CommunicationImplementation
+from mpistrat.comm.runtime.lifetime import group_key
 from mpistrat.comm.runtime.shm_window import PAGE_SIZE, NodeSync, SharedWindow, exiting_cleanly, make_sync
 from mpistrat.comm.runtime.topology import NodeLayout, Topology, resolve_pretend_nodes, topology as make_topology
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
@@ -378,7 +379,7 @@ class ShmTransport(Transport):
                 return 0
             assert self.layout is not None
             lay = self.layout
-            key = (calibration.rank_set_key(lay.comm), lay.num_nodes, lay.local_size, self.owners, self.sync_kind,
+            key = (group_key(lay.comm), lay.num_nodes, lay.local_size, self.owners, self.sync_kind,
                    self.max_bytes)
             self.chunk_bytes, self.chunk_calibration = calibration.measure_chunks(
                 lay.comm, key, lambda src, dst, chunk: self.reduce_in_chunks(src, dst, "sum", chunk), count, dtype)
@@ -457,12 +458,7 @@ class ShmTransport(Transport):
         self._tmp.clear()
         self._pending = None
         self.result_blocks.free()
-        if self._sync is not None:
-            self._sync.free()
-            self._sync = None
-        if self._window is not None:
-            self._window.free()
-            self._window = None
+        self._free_window()
         if self.topology is not None and self._owns_topology:
             self.topology.free()
         self.topology = self.layout = None
@@ -483,6 +479,15 @@ class ShmTransport(Transport):
             raise TypeError(f"ShmTransport: dtype {dtype} is not supported for op {op!r}")
         return dtype
 
+    def _free_window(self) -> None:
+        """Free the node synchronisation and the window (collective over the node)."""
+        if self._sync is not None:
+            self._sync.free()
+            self._sync = None
+        if self._window is not None:
+            self._window.free()
+            self._window = None
+
     def _ensure_capacity(self, nbytes: int) -> None:
         if nbytes <= self._capacity and self._window is not None:
             return
@@ -494,12 +499,7 @@ class ShmTransport(Transport):
         cap = (max(cap, nbytes) + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
         self._views.clear()
         self._plans.clear()
-        if self._sync is not None:
-            self._sync.free()
-            self._sync = None
-        if self._window is not None:
-            self._window.free()
-            self._window = None
+        self._free_window()
         buckets = 2 if self.direct_max_bytes >= 0 else 1  # without one-synchronisation reduces, one bucket
         self._window = SharedWindow(self.layout.node_comm, buckets * cap)
         names = self.layout.node_comm.allgather(self.layout.comm.Get_rank())

@@ -57,16 +57,6 @@ def time_alternating(
     return times[:, 1:]
 
 
-def rank_set_key(comm: MPI.Comm) -> tuple[int, ...]:
-    """The ``COMM_WORLD`` ranks of ``comm``, in its rank order (what a measurement is cached by)."""
-    mine, whole = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return tuple(mine.Translate_ranks(list(range(comm.Get_size())), whole))
-    finally:
-        mine.Free()
-        whole.Free()
-
-
 def measure_chunks(
     comm: MPI.Comm, key: tuple, reduce_in_chunks: Callable[[np.ndarray, np.ndarray, int], None], count: int,
     dtype: np.dtype,
