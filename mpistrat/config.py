@@ -30,6 +30,11 @@ __all__ = [
 
 PREFIX = "MPISTRAT_"
 # Read by the project's scripts and test fixtures, not by the library: known, never warned about.
+# Settings earlier releases read: named in the warning, with what replaced them.
+REMOVED = {
+    "MPISTRAT_SHM_SYNC": "removed: the node synchronisation is always the epoch counters, the only one that "
+                         "honours the timeout",
+}
 SCRIPT_VARIABLES = ("MPISTRAT_VENV", "MPISTRAT_SERIAL_TIMEOUT", "MPISTRAT_MPI_TIMEOUT", "MPISTRAT_SLURM_INSTALL_BUDGET")
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
@@ -250,6 +255,9 @@ def _warn_unknown(names: list[str]) -> None:
         if name in _BY_NAME or name in SCRIPT_VARIABLES or name in _warned:
             continue
         _warned.add(name)
+        if name in REMOVED:
+            warnings.warn(f"mpistrat setting {name} is ignored: {REMOVED[name]}", RuntimeWarning, stacklevel=4)
+            continue
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(_BY_NAME)}"
         warnings.warn(f"unknown mpistrat setting {name} in the environment (ignored){hint}", RuntimeWarning,

@@ -217,9 +217,14 @@ class DupAllreduceTransport(Transport):
     name = "dup-allreduce"
     calls = 0  # counted over every instance: the strategy's communicator makes its own
 
-    def __init__(self, ctx):
-        self.comm = ctx.comm.Dup()
+    def __init__(self, comm):
+        self.comm = comm.Dup()
         self.buf = {}
+
+    @classmethod
+    def create(cls, ctx):
+        """The table's factory."""
+        return cls(ctx.comm)
 
     def enabled(self, nbytes, dtype, op):
         return op == "sum"
@@ -258,7 +263,7 @@ def dup_transport(monkeypatch):
 
     monkeypatch.setattr(table, "FACTORIES", dict(table.FACTORIES))
     monkeypatch.setattr(table, "PREFERENCES", dict(table.PREFERENCES))
-    register_transport("dup-allreduce", DupAllreduceTransport, implementations=("RING",))
+    register_transport("dup-allreduce", DupAllreduceTransport.create, implementations=("RING",))
     monkeypatch.setattr(DupAllreduceTransport, "calls", 0)
 
 
@@ -276,6 +281,28 @@ def test_a_registered_transport_serves_the_communicator(comm, dup_transport):
         assert DupAllreduceTransport.calls == 3 and out[0].tolist() == [1, 1, 1]
     with RankCommunicator(comm) as c:  # AUTO's row is unchanged
         assert "dup-allreduce" not in [t.name for t in c.transports]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_register_backend_keeps_its_calling_convention(comm, monkeypatch):
+    """``register_backend(name, factory)``: the factory gets ``(comm, options)``, as it always did."""
+    from mpistrat.comm import register_backend
+    from mpistrat.comm.transport import table
+
+    monkeypatch.setattr(table, "FACTORIES", dict(table.FACTORIES))
+    monkeypatch.setattr(table, "PREFERENCES", dict(table.PREFERENCES))
+    monkeypatch.setattr(DupAllreduceTransport, "calls", 0)
+    seen = []
+
+    def factory(c, options):
+        seen.append(options.implementation.name)
+        return DupAllreduceTransport(c)
+
+    register_backend("old-style", factory, implementations=("RING",))
+    with RankCommunicator(comm, CommunicationOptions(implementation="RING")) as c:
+        assert [t.name for t in c.transports] == ["dup-allreduce", "mpi"] and seen == ["RING"]
+        assert c.allreduce([np.ones(3)], "sum")[0].tolist() == [comm.size] * 3
+        assert DupAllreduceTransport.calls == 1
 
 
 @pytest.mark.mpi(min_size=2)

@@ -250,3 +250,59 @@ def test_close_receives_the_messages_nobody_read(comm, monkeypatch):
     rc.close()
     assert received[1] == (1 if comm.rank == 0 else 0), "rank 0 receives the stray reply, nobody else a message"
     assert left == [False]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_mismatched_first_call_leaves_no_plan_behind(comm):
+    # A call not planned before is checked, then planned: a rank whose first call of a signature
+    # failed the check must not have cached a plan, or its next call would skip the check and grow
+    # the window alone (collective) while its peers check: a hang.
+    with RankCommunicator(comm, CommunicationOptions(timeout_seconds=10)) as rc:
+        x = [np.ones(4096, np.float32), np.ones(4096, np.float32)]  # one 32 KiB bucket: the window path
+        mine = x if rc.rank == 0 else [np.ones(5, np.float32)]
+        with pytest.raises(CollectiveMismatchError, match="Mismatched allreduce"):
+            rc.allreduce(mine, "sum")
+        assert len(rc._planner._plans) == 0
+        for _ in range(3):
+            out = rc.allreduce(x, "sum")
+            assert all(np.all(o == rc.size) for o in out)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("count", [4096, 20000, 70000])  # 32 KiB, 160 KiB, 560 KiB buckets
+def test_ranks_may_mix_in_place_and_new_results(comm, count):
+    # In place or not is each rank's own choice (it is not part of the agreement): the transports
+    # must take the same collective path either way.
+    with RankCommunicator(comm, CommunicationOptions(timeout_seconds=10, implementation="SHM")) as rc:
+        for it in range(4):
+            a = np.full(count, rc.rank + 1.0 + it, np.float32)
+            b = np.full(count, 10.0 * (rc.rank + 1) + it, np.float32)
+            ra, rb = rc.allreduce([a, b], "sum", inplace=rc.rank == 0)
+            n = rc.size
+            assert np.all(ra == n * (n + 1) / 2 + n * it) and np.all(rb == 10 * n * (n + 1) / 2 + n * it)
+            assert (ra is a) == (rc.rank == 0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_in_place_results_never_pin_a_window_that_grows(comm):
+    # In place, a packed bucket goes through the communicator's scratch memory: nothing it keeps
+    # refers to a window, so a window that grows is freed, not kept mapped until exit.
+    import warnings
+
+    from mpistrat.comm.runtime import shm_window
+
+    kept = len(shm_window._KEPT)
+    with RankCommunicator(comm, CommunicationOptions(implementation="SHM")) as rc:
+        small = [np.ones(4096, np.float32), np.ones(4096, np.float32)]
+        rc.allreduce(small, "sum", inplace=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for mb in (2, 4, 8):
+                big = [np.ones(mb << 17, np.float32), np.ones(mb << 17, np.float32)]
+                rc.allreduce(big, "sum", inplace=True)
+                rc.allreduce(small, "sum", inplace=True)
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+        assert len(shm_window._KEPT) == kept
+        assert np.all(small[0] == rc.size ** 4) and np.all(big[1] == rc.size)

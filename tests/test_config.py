@@ -111,6 +111,16 @@ def test_an_unknown_name_warns_once_naming_the_closest_known_one(monkeypatch):
                         "did you mean MPISTRAT_TIMEOUT_SECONDS?"]
 
 
+def test_a_removed_setting_says_so(monkeypatch):
+    monkeypatch.setenv("MPISTRAT_SHM_SYNC", "barrier")
+    monkeypatch.setattr(config, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config.settings()
+    assert [str(w.message) for w in caught] == [
+        "mpistrat setting MPISTRAT_SHM_SYNC is ignored: " + config.REMOVED["MPISTRAT_SHM_SYNC"]]
+
+
 def test_the_scripts_variables_are_known(monkeypatch):
     monkeypatch.setattr(config, "_warned", set())
     for name in config.SCRIPT_VARIABLES:

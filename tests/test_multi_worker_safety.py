@@ -70,3 +70,21 @@ def test_mismatch_in_strategy_run_names_every_rank_and_what_it_sent():
         s.run(lambda: ms.get_replica_context().all_reduce(op, np.ones(3)))
     # still usable: nothing was left half-done
     assert float(s.run(lambda: ms.get_replica_context().all_reduce("sum", 1.0))) == comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, value", [("MPISTRAT_NO_ABORT_HOOK", "maybe"), ("MPISTRAT_SHM_MAX_BYTES", "lots")])
+def test_a_malformed_setting_on_one_rank_fails_the_strategy_on_every_rank(comm, monkeypatch, name, value):
+    # Settings are checked when the strategy's communicator is made, on every rank at once; nothing
+    # that reads a setting may raise on one rank before that (the abort hook is installed after it).
+    import mpistrat as ms
+
+    if comm.rank == comm.size - 1:
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        ms.MultiWorkerMirroredStrategy()
+    if comm.rank == comm.size - 1:
+        assert name in str(info.value)
+    else:
+        assert f"failed on rank(s) [{comm.size - 1}]" in str(info.value) and name in str(info.value)

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from mpistrat import config, ops, timeline
 from mpistrat.ops import WIRE_OPS
-from mpistrat.comm.agreement.call import FIRST, CallAgreement, check_aux, choose_mode, require_same_pack
+from mpistrat.comm.agreement.call import CHECKED, CallAgreement, check_aux, choose_mode, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
 from mpistrat.comm.agreement.signatures import CallKey, fingerprint
 from mpistrat.comm.errors import CollectiveError, allgather_checked
@@ -28,6 +28,7 @@ from mpistrat.comm.runtime.topology import topology
 from mpistrat.comm.signature import CAI, CUPY, HOST, allreduce_signature
 from mpistrat.comm.transport import table
 from mpistrat.comm.transport.base import NO_AGREEMENT, Transport, TransportContext
+from mpistrat.comm.transport.buffers import GrowableBuffers
 from mpistrat.comm.transport.cuda import DeviceMpiTransport, mpi_cuda_support
 from mpistrat.comm.transport.mpi import MpiTransport, mpi_datatype
 from mpistrat.devices import is_cupy_array, is_device_buffer, synchronize_producer
@@ -102,19 +103,31 @@ class RankCommunicator:
         self.comm: MPI.Comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.topology = topology(self.comm) if self.size > 1 else None
-        self._guard = AgreementGuard(self.comm, self.topology, settings) if self.topology is not None else None
+        self.topology = self._guard = self._context = None
+        try:  # every error here is raised on every rank alike (settings were agreed): release, then raise
+            if self.size > 1:
+                pretend = settings.pretend_nodes
+                self.topology = topology(self.comm, None if pretend is None else min(pretend, self.size))
+                self._guard = AgreementGuard(self.comm, self.topology, settings)
+                self._context = TransportContext(self.comm, options, settings, self.topology, self._timeout)
+            # One rank moves nothing; its list still ends with the fallback, as every list does.
+            self.transports: list[Transport] = (
+                table.select(self._context, table.HOST) if self._context else [MpiTransport(self.comm)])
+        except BaseException:
+            if self._guard is not None:
+                self._guard.close()
+            if self.topology is not None:
+                self.topology.free()
+            self.comm.Free()
+            raise
         self._agreement = CallAgreement(self._guard)
-        self._context = TransportContext(self.comm, options, settings, self.topology, self._timeout) \
-            if self.topology is not None else None
-        # One rank moves nothing; its list still ends with the fallback, as every list does.
-        self.transports: list[Transport] = (
-            table.select(self._context, table.HOST) if self._context else [MpiTransport(self.comm)])
         self._device_transports: list[Transport] | None = None
         # Dropped without close(): released at the next collective point (lifetime.py).
         self._resources = Resources(self.comm, self._guard, self.transports, self.topology)
         self._finalizer = track(self, self._resources)
         self._planner = Planner(self.transports, self._device)
+        # In-place buckets are reduced into this, then copied into the arrays (execute.py).
+        self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -175,42 +188,46 @@ class RankCommunicator:
         t0 = timeline.now_us() if traced else 0.0
         timeout, pack_bytes = (self._timeout, self._pack) if options is None else self._settings(options)
         arrays = list(arrays)
-        # Plan: the signature (validating the arrays) and the steps, cached by the call's fingerprint.
+        # Plan: the signature and validation, then the steps (cached by the call's fingerprint).
         opname, error = (op, None) if type(op) is str and op in WIRE_OPS else _op_param(op)
         sig, kinds, sig_error = allreduce_signature(arrays, inplace, self._device_mpi_missing)
         error = error or sig_error
         key = ("allreduce", (("op", opname),), sig)
         h = 0
         plan = None
-        mode = FIRST  # a call not planned before: checked before anything else
         if error is None:
             h = fingerprint(key)
             plan_key = (h, kinds, pack_bytes, inplace)
             plan = self._planner.cached(plan_key)
-            if plan is not None:
-                mode = plan.repeat_mode
-            else:
-                try:
-                    plan = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)
-                except (TypeError, ValueError) as exc:
-                    error = exc
-                else:
-                    first = plan.steps[0] if plan.steps else None
-                    if first is not None:
-                        plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
-                                                       first.transport.folds_agreement)
+            if plan is None:
+                error = self._planner.invalid(sig, opname)
         if error is not None:
             self._agree(key, timeout, error=error)  # raises on every rank
-        assert plan is not None
+        if plan is None:
+            # Not planned before: every rank checks first, then plans. Planning may make transports
+            # and a transport's first bucket of a size may grow shared memory (both collective), so
+            # a plan is made, and cached, only for a call every rank agreed on.
+            aux = self._agree(key, timeout, check_aux(pack_bytes))
+            if aux is not None:
+                require_same_pack(aux)
+            plan = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)
+            first = plan.steps[0] if plan.steps else None
+            if first is not None:
+                plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
+                                               first.transport.folds_agreement)
+            mode = CHECKED
+        else:
+            mode = plan.repeat_mode
         if self.size == 1:
-            self._agree(key, timeout)  # only checks that the communicator is open
+            if mode != CHECKED:
+                self._agree(key, timeout)  # only checks that the communicator is open
             results = arrays if inplace else [a.copy() for a in arrays]
         else:
             # Agreement, then execute: the first bucket's transport completes the check (agreement/call.py).
             agreement = self._agreement
             hook = agreement.begin(key, h, timeout, pack_bytes, mode)
             try:
-                results = run_steps(plan.steps, arrays, opname, inplace, hook)
+                results = run_steps(plan.steps, arrays, opname, inplace, hook, self._scratch)
             except BaseException as exc:
                 agreement.fail(exc)
                 raise

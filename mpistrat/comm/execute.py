@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import numpy as np
 from mpi4py import MPI
 
 from mpistrat.comm import fusion
 from mpistrat.comm.plan import Step
 from mpistrat.comm.signature import CAI
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook
+from mpistrat.comm.transport.buffers import GrowableBuffers
 
 __all__ = ["run_steps"]
 
 
-def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: AgreementHook) -> list:
+def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: AgreementHook,
+              scratch: GrowableBuffers) -> list:
     """Reduce ``arrays`` step by step over two or more ranks; the results (``arrays`` when ``inplace``).
 
     The first step's transport gets the call's agreement ``hook``; later steps get
     :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then).
     Results are new arrays from each step's pool (never overwritten by a later
-    call), or, in place, the input arrays themselves.
+    call), or, in place, the input arrays themselves: a packed bucket is then reduced into
+    ``scratch`` (host) or a new device array and copied into them, never via memory a transport
+    owns, so no view of it outlives the call.
     """
     results = arrays if inplace else [None] * len(arrays)
     for step in steps:
@@ -46,7 +51,8 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
         xp = step.xp
         fusion.pack(arrays, b, transport.pack_buffer(b.count, b.dtype), xp)
         if inplace:
-            flat = transport.allreduce_packed(b.count, b.dtype, op, hook)
+            flat = scratch.get(b.count, b.dtype) if xp is np else xp.empty(b.count, b.dtype)
+            transport.allreduce_packed(b.count, b.dtype, op, hook, flat)
             hook = NO_AGREEMENT
             copyto = xp.copyto
             for i, src in zip(b.members, step.source_views(flat)):

@@ -14,6 +14,7 @@ from mpistrat.comm.fusion import Bucket, ResultPool, plan_buckets
 from mpistrat.comm.signature import CAI, CUPY, HOST
 from mpistrat.comm.transport.base import Transport
 from mpistrat.comm.transport.mpi import mpi_datatype
+from mpistrat.ops import WIRE_OPS
 
 __all__ = ["Step", "Plan", "Planner"]
 
@@ -39,12 +40,12 @@ class Step:
         self._src_views: list = []
 
     def source_views(self, flat: Any) -> list:
-        """The members' views of ``flat`` (a reduced bucket of ``count`` items), cached while it starts at
-        the same address (the cached views keep that memory alive, so the address names it)."""
-        where = flat.ctypes.data if self.kind == HOST else flat.data.ptr
-        if where != self._src:
+        """The members' views of ``flat``, a reduced bucket at the start of the communicator's scratch
+        buffer, cached while that buffer stays the same."""
+        base = flat.base if flat.base is not None else flat
+        if base is not self._src:
             b = self.bucket
-            self._src = where
+            self._src = base
             self._src_views = [flat[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
         return self._src_views
 
@@ -85,18 +86,27 @@ class Planner:
         """The plan filed under ``key``, if any."""
         return self._plans.get(key)
 
-    def plan(self, key: Any, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> Plan:
-        """The plan of a call not planned before, filed under ``key`` (TypeError/ValueError for dtypes
-        or ops no rank could reduce: raised before anything collective)."""
+    @staticmethod
+    def invalid(sig: tuple, op: str) -> Exception | None:
+        """Why no rank could reduce arrays of this signature with ``op`` (a dtype MPI or the op does
+        not support), or None; found before anything collective, so the check carries it."""
         for i, entry in enumerate(sig):
             dtype = np.dtype(entry[1])
             if dtype.kind not in "iufc":
-                raise TypeError(
+                return TypeError(
                     f"allreduce: array #{i} has dtype {dtype}; supported are integer, float and complex dtypes"
                 )
-            if dtype.kind == "c" and op != "sum":
-                raise TypeError(f"allreduce: op {op!r} is not defined for complex array #{i} ({dtype})")
-            mpi_datatype(dtype)  # ValueError when MPI has no such type
+            if dtype.kind == "c" and not WIRE_OPS[op].complex_ok:
+                return TypeError(f"allreduce: op {op!r} is not defined for complex array #{i} ({dtype})")
+            try:
+                mpi_datatype(dtype)
+            except ValueError as exc:  # MPI has no such type
+                return exc
+        return None
+
+    def plan(self, key: Any, sig: tuple, kinds: tuple | None, op: str, pack_bytes: int) -> Plan:
+        """The plan of a call not planned before, all ranks having agreed on it and :meth:`invalid`
+        having found nothing, filed under ``key`` (collective: transports may be made)."""
         kinds_list = kinds if kinds is not None else (HOST,) * len(sig)
         steps = []
         for kind in (HOST, CUPY, CAI):

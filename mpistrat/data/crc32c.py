@@ -8,6 +8,7 @@ Set ``MPISTRAT_CRC32C=python`` to force the fallback (for tests).
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 from mpistrat import config
@@ -40,8 +41,18 @@ def crc32c_python(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
+def _forced_python() -> bool:
+    """Whether ``MPISTRAT_CRC32C=python`` asks for the pure-Python CRC (read at import: a malformed
+    value warns and keeps the default instead of making ``import mpistrat.data`` fail)."""
+    try:
+        return config.get("crc32c") == "python"
+    except ValueError as exc:
+        warnings.warn(f"{exc}; using the default", RuntimeWarning, stacklevel=2)
+        return False
+
+
 def _select() -> "tuple[Callable[[bytes], int], str]":
-    if config.get("crc32c") != "python":
+    if not _forced_python():
         try:
             import google_crc32c  # noqa: PLC0415
 

@@ -48,10 +48,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         if len(set(counts)) != 1:
             detail = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
             raise ValueError(f"Every worker needs the same number of local devices; got {detail}")
+        self._cluster_resolver = resolver
+        communicator = RankCommunicator(comm, options)  # checks every rank's settings, on every rank
         if comm.Get_size() > 1:
             install_abort_on_exception()
-        self._cluster_resolver = resolver
-        communicator = RankCommunicator(comm, options)
         super().__init__(StrategyExtended(
             self, local_devices,
             cross_device_ops=select_cross_device_ops(local_devices),

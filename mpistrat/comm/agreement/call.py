@@ -16,10 +16,11 @@ from mpistrat.comm.agreement.signatures import CallKey
 from mpistrat.comm.errors import CollectiveMismatchError
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook
 
-__all__ = ["FIRST", "OVERLAP", "FOLD", "OVERLAP_MAX_BYTES", "STAGED_FIRST", "CallAgreement", "check_aux",
+__all__ = ["FIRST", "OVERLAP", "FOLD", "CHECKED", "OVERLAP_MAX_BYTES", "STAGED_FIRST", "CallAgreement", "check_aux",
            "choose_mode", "require_same_pack"]
 
 FIRST, OVERLAP, FOLD = 0, 1, 2
+CHECKED = 3  # the call's check already ran (a call not planned before is checked, then planned)
 # While it stages, a rank makes no MPI progress and answers no peer's query, so staging overlaps the
 # check only for host buckets up to this size, far below the grace period a timed-out peer waits.
 OVERLAP_MAX_BYTES = 4 << 20
@@ -63,11 +64,11 @@ class CallAgreement(AgreementHook):
     and returns the hook to hand it; :meth:`end` or :meth:`fail` closes it.
     With the timeline on, the check's span is kept for the call's event.
 
-    For every call it runs the check of :class:`~mpistrat.comm.agreement.guard.AgreementGuard`
-    in one of three places, chosen per call by :func:`choose_mode`:
+    For every all-reduce it runs the check of :class:`~mpistrat.comm.agreement.guard.AgreementGuard`
+    in one of these places, chosen per plan by :func:`choose_mode`:
 
-    * ``FIRST``: before the transport starts (a call not planned before, device
-      buckets, buckets above ``OVERLAP_MAX_BYTES``, calls other than all-reduce);
+    * ``CHECKED``: it already ran (a call not planned before is checked with :meth:`agree`, then planned);
+    * ``FIRST``: before the transport starts (device buckets, buckets above ``OVERLAP_MAX_BYTES``);
     * ``OVERLAP``: the check's round is posted, the transport stages this rank's
       first bucket, and the hook waits for the round once told the data is staged;
     * ``FOLD``: the whole check runs once the transport has staged, through node
@@ -75,8 +76,10 @@ class CallAgreement(AgreementHook):
       the check's ``aux``), the check stands for the transport's first node
       synchronisation and the hook says so.
 
-    A local error (bad arguments, a failure while staging before the check) travels
-    in the call's key, so every rank raises instead of waiting.
+    A local error (bad arguments; under ``FOLD``, a failure while staging) travels in the call's
+    key, so every rank raises instead of waiting. Under ``OVERLAP`` the round is out with the call's
+    key before staging: a failure while staging finishes the check, so no request stays open, but
+    the peers enter the transfer, where the transport's timeout or the abort hook ends them.
     """
 
     def __init__(self, guard: AgreementGuard | None) -> None:
@@ -114,17 +117,18 @@ class CallAgreement(AgreementHook):
     def begin(self, key: CallKey, h: int, timeout: float, pack_bytes: int, mode: int) -> AgreementHook:
         """Prepare the check of an all-reduce to run in ``mode``; the hook to hand the transport."""
         guard = self.guard
-        if guard is None:
+        if guard is None or mode == CHECKED:
             return NO_AGREEMENT
         if mode == FIRST:
             require_same_pack(self.agree(key, timeout, check_aux(pack_bytes), h=h))
             return NO_AGREEMENT
-        self._mode, self._pending, self._call = mode, True, (key, h, timeout, pack_bytes)
         if mode == OVERLAP:
-            self._t0 = timeline.now_us() if timeline.enabled() else 0.0
+            t0 = timeline.now_us() if timeline.enabled() else 0.0
             guard.start(key, timeout, check_aux(pack_bytes), h)
+            self._t0 = t0
         else:
             guard.require_usable()  # before staging: peers may still read this rank's last data
+        self._mode, self._pending, self._call = mode, True, (key, h, timeout, pack_bytes)
         return self
 
     def staged(self, first: bool = True) -> bool:

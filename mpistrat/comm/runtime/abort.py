@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Any
 
 from mpi4py import MPI
@@ -91,10 +92,16 @@ def install_abort_on_exception() -> bool:
     the traceback, each line prefixed with ``[rank R]``, and call
     ``MPI.COMM_WORLD.Abort(1)`` when the world has more than one rank (with
     one rank the previous hooks run). Idempotent. ``MPISTRAT_NO_ABORT_HOOK=1``
-    disables it (returns False).
+    disables it (returns False). A malformed ``MPISTRAT_NO_ABORT_HOOK`` installs the hook with a
+    warning: raising here, on one rank, would leave the others waiting.
     """
     global _HOOK_INSTALLED
-    if config.get("no_abort_hook"):
+    try:
+        disabled = config.get("no_abort_hook")
+    except ValueError as exc:
+        warnings.warn(f"{exc}; installing the abort-on-exception hook", RuntimeWarning, stacklevel=2)
+        disabled = False
+    if disabled:
         return False
     with _HOOK_LOCK:
         if _HOOK_INSTALLED:

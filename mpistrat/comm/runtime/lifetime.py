@@ -59,13 +59,11 @@ class Resources:
             return
         self.released = True
         broken = self.guard is not None and self.guard.broken is not None
-        for transport in self.device:
-            transport.close()
         if self.guard is not None:
             self.guard.close()
         if broken:
             return
-        for transport in self.transports:
+        for transport in self.device + self.transports:
             transport.close()
         if self.topology is not None:
             self.topology.free()

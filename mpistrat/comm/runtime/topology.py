@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from mpistrat import config
+from mpistrat.comm.errors import allgather_checked
 from mpistrat.comm.runtime.waiter import Waiter, default_spin, default_yields, ranks_outnumber_cores
 
 __all__ = ["NodeLayout", "Topology", "node_layout", "resolve_pretend_nodes", "topology"]
@@ -64,7 +65,13 @@ def node_layout(comm: MPI.Comm | None = None, pretend_nodes: int | None = None) 
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     rank, size = comm.Get_rank(), comm.Get_size()
-    pretend_nodes = resolve_pretend_nodes(size, pretend_nodes)
+    error = None
+    try:
+        pretend_nodes = resolve_pretend_nodes(size, pretend_nodes)
+    except ValueError as exc:
+        error = exc
+    # Every rank agrees on the count (a rank raising alone would leave the others in the split).
+    pretend_nodes = allgather_checked(comm, pretend_nodes, error, "MPISTRAT_PRETEND_NODES")[0]
     if pretend_nodes is not None:
         color = rank * pretend_nodes // size
         node_comm = comm.Split(color=color, key=rank)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Union
 
-from mpistrat.comm.options import CommunicationImplementation
+from mpi4py import MPI
+
+from mpistrat.comm.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.comm.transport.base import Transport, TransportContext
 from mpistrat.comm.transport.cuda import DeviceMpiTransport
 from mpistrat.comm.transport.mpi import MpiTransport
@@ -22,6 +24,7 @@ __all__ = [
     "Factory",
     "register_transport",
     "register_backend",
+    "BackendFactory",
     "select",
 ]
 
@@ -70,9 +73,18 @@ def register_transport(name: str, factory: Factory | str, implementations: tuple
         PREFERENCES[key] = (name,) + tuple(n for n in rest if n != name)
 
 
-def register_backend(name: str, factory: Factory | str, implementations: tuple[str, ...] = ("AUTO",)) -> None:
-    """:func:`register_transport` for host buffers, under its other public name."""
-    register_transport(name, factory, implementations, HOST)
+BackendFactory = Callable[[MPI.Comm, CommunicationOptions], Union[Transport, None]]
+
+
+def register_backend(name: str, factory: BackendFactory | str, implementations: tuple[str, ...] = ("AUTO",)) -> None:
+    """:func:`register_transport` for host buffers with the earlier calling convention: the factory
+    gets ``(comm, options)`` (the communicator's duplicate and its options) and returns a Transport."""
+
+    def from_context(ctx: TransportContext) -> Transport | None:
+        made = _resolve(factory)
+        return None if made is None else made(ctx.comm, ctx.options)
+
+    register_transport(name, from_context, implementations, HOST)
 
 
 def _resolve(factory: Factory | str) -> Factory | None:

@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import ops
+from mpistrat.config import Settings
 from mpistrat.comm.errors import allgather_checked
 from mpistrat.comm.options import CommunicationImplementation
 from mpistrat.comm.runtime.lifetime import group_key
@@ -30,7 +31,6 @@ __all__ = [
     "ShmTransport",
     "DIRECT_MAX_BYTES",
     "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
-    "DIRECT_IN_WINDOW_MAX_BYTES",
     "MIN_BYTES",
     "SUPPORTED_DTYPES",
 ]
@@ -52,9 +52,6 @@ _INITIAL = 1 << 20
 DIRECT_MAX_BYTES = 64 << 10
 # Where ranks outnumber cores a synchronisation costs more than the additions it saves: larger.
 DIRECT_MAX_BYTES_OVERSUBSCRIBED = 256 << 10
-# When the result may stay in the window (no ``out``), the reduce-scatter saves the copy out that
-# made one synchronisation win up to DIRECT_MAX_BYTES: it wins from smaller sizes then.
-DIRECT_IN_WINDOW_MAX_BYTES = 16 << 10
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
 
@@ -122,7 +119,8 @@ class ShmTransport(Transport):
     ``min_bytes`` (``MPISTRAT_SHM_MIN_BYTES``) defaults to a rule, :data:`MIN_BYTES`;
     ``min_bytes=0`` enables it for every size (what forcing it means).
     ``timeout_seconds`` bounds every wait. Keyword arguments override the
-    ``MPISTRAT_SHM_*`` settings; the ranks agree on the result.
+    ``MPISTRAT_SHM_*`` settings (``settings``, default ``config.settings()``); the ranks agree on
+    the result.
     """
 
     name = "shm"
@@ -140,6 +138,7 @@ class ShmTransport(Transport):
         chunk_bytes: int | str | None = None,
         sync: str | None = None,
         timeout_seconds: float | None = None,
+        settings: Settings | None = None,
     ) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         error = None
@@ -147,7 +146,7 @@ class ShmTransport(Transport):
         try:  # every per-rank check before the first collective, so a bad value on one rank cannot hang the rest
             if topology is None:
                 pretend_nodes = resolve_pretend_nodes(comm.Get_size(), pretend_nodes)
-            mine = read_settings(max_bytes, block_bytes, chunk_bytes, min_bytes, sync)
+            mine = read_settings(max_bytes, block_bytes, chunk_bytes, min_bytes, sync, settings)
         except (ValueError, TypeError) as exc:
             error = exc
         # What every rank uses: ranks whose settings differ would take different paths and never meet.
@@ -192,7 +191,7 @@ class ShmTransport(Transport):
         """The transport-table factory: None where no bucket could take this path (one rank per node)."""
         forced = ctx.options.implementation == CommunicationImplementation.SHM
         transport = cls(ctx.comm, topology=ctx.topology, min_bytes=0 if forced else None,
-                        timeout_seconds=ctx.timeout)
+                        timeout_seconds=ctx.timeout, settings=ctx.settings)
         if not forced and transport.min_bytes > transport.max_bytes:
             transport.close()
             return None
@@ -211,7 +210,8 @@ class ShmTransport(Transport):
         if self._closed or not (self.min_bytes <= nbytes <= self.max_bytes):
             return False
         dtype = np.dtype(dtype)
-        return op in ops.WIRE_OPS and (dtype in SUPPORTED_DTYPES or (op == "sum" and dtype in _COMPLEX))
+        wire = ops.WIRE_OPS.get(op)
+        return wire is not None and (dtype in SUPPORTED_DTYPES or (wire.complex_ok and dtype in _COMPLEX))
 
     def pack_buffer(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A 1-D view of ``count`` items in this rank's segment, to pack into."""
@@ -233,17 +233,14 @@ class ShmTransport(Transport):
         """Reduce what every rank packed into ``out`` (1-D, private memory), or, when None, into
         memory this transport owns (valid until the next ``pack_buffer``); returns it.
 
-        Up to ``direct_max_bytes`` (``DIRECT_IN_WINDOW_MAX_BYTES`` when the result may stay in the
-        window): one synchronisation, then each rank sums every segment into the result. Otherwise
-        the reduce-scatter (class docstring), whose result is this rank's own segment (copied into
-        ``out`` when given).
+        Up to ``direct_max_bytes``: one synchronisation, then each rank sums every segment into
+        the result. Otherwise the reduce-scatter (class docstring), whose result is this rank's own
+        segment (copied into ``out`` when given). The path depends only on the size, which every
+        rank agreed on, never on ``out``, which ranks may choose differently.
         """
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
         synced = self._staged(hook)
-        direct_max = self.direct_max_bytes
-        if out is None:
-            direct_max = min(direct_max, DIRECT_IN_WINDOW_MAX_BYTES)
-        if count * dtype.itemsize <= direct_max:
+        if count * dtype.itemsize <= self.direct_max_bytes:
             result = self._scratch.get(count, dtype) if out is None else out
             self._sum_all(count, dtype, ufunc, result, synced)
             return result
@@ -443,7 +440,7 @@ class ShmTransport(Transport):
             raise ValueError(f"ShmTransport: op must be one of {tuple(ops.WIRE_OPS)}, got {op!r}")
         ufunc = wire.ufunc
         dtype = pending[1]
-        if ufunc is not np.add and dtype in _COMPLEX:
+        if not wire.complex_ok and dtype in _COMPLEX:
             raise TypeError(f"ShmTransport: dtype {dtype} is not supported for op {op!r}")
         self._pending = None
         return ufunc, dtype
@@ -475,7 +472,7 @@ class ShmTransport(Transport):
         dtype = np.dtype(dtype)
         if op not in ops.WIRE_OPS:
             raise ValueError(f"ShmTransport: op must be one of {tuple(ops.WIRE_OPS)}, got {op!r}")
-        if not (dtype in SUPPORTED_DTYPES or (op == "sum" and dtype in _COMPLEX)):
+        if not (dtype in SUPPORTED_DTYPES or (ops.WIRE_OPS[op].complex_ok and dtype in _COMPLEX)):
             raise TypeError(f"ShmTransport: dtype {dtype} is not supported for op {op!r}")
         return dtype
 

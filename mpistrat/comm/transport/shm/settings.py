@@ -39,8 +39,10 @@ def read_settings(
     chunk_bytes: int | str | None = None,
     min_bytes: int | str | None = None,
     sync: str | None = None,
+    env: config.Settings | None = None,
 ) -> ShmSettings:
-    """This rank's settings: the arguments, else ``config.settings()``, checked (ValueError names the bad one).
+    """This rank's settings: the arguments, else ``env`` (default ``config.settings()``), checked
+    (ValueError names the bad one).
 
     Each rank takes its constructor arguments, else its ``MPISTRAT_SHM_*`` settings
     (:mod:`mpistrat.config`), and checks them before any collective.
@@ -48,7 +50,7 @@ def read_settings(
     ``min_bytes`` None (``auto``) leaves the size to the transport's rule; ``chunk_bytes`` None
     (``auto``) leaves it to measurement.
     """
-    env = config.settings()
+    env = config.settings() if env is None else env
     max_bytes = env.shm_max_bytes if max_bytes is None else max_bytes
     block_bytes = env.shm_block_bytes if block_bytes is None else block_bytes
     chunk_bytes = env.shm_chunk_bytes if chunk_bytes is None else chunk_bytes
