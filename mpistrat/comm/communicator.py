@@ -14,7 +14,6 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import config, ops, timeline
-from mpistrat.ops import WIRE_OPS
 from mpistrat.comm.agreement.call import CHECKED, CallAgreement, check_aux, choose_mode, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
 from mpistrat.comm.agreement.signatures import CallKey, fingerprint
@@ -36,12 +35,11 @@ from mpistrat.devices import is_cupy_array, is_device_buffer, synchronize_produc
 __all__ = ["RankCommunicator", "normalize_op"]
 
 
-def normalize_op(op: Any) -> str:
-    """``"sum"``, ``"min"`` or ``"max"`` from a string or ``ReduceOp`` (ValueError otherwise)."""
-    return ops.wire_op(op)
+normalize_op = ops.wire_op  # the name earlier releases exported from here
 
 
 def _op_param(op: Any) -> tuple[str, Exception | None]:
+    """The wire op of ``op``, or its repr and the error (carried by the agreement check)."""
     try:
         return ops.wire_op(op), None
     except ValueError as exc:
@@ -138,11 +136,12 @@ class RankCommunicator:
         merged = self.options.merge(options)
         return merged.timeout(self.settings), merged.pack_bytes()
 
-    def _agree(self, key: CallKey, timeout: float, aux: int = 0, error: Exception | None = None) -> np.ndarray | None:
-        """The call's agreement check (a local ``error`` raises on every rank)."""
+    def _agree(self, key: CallKey, timeout: float, aux: int = 0, error: Exception | None = None,
+               h: int | None = None) -> np.ndarray | None:
+        """The call's agreement check (a local ``error`` raises on every rank; ``h``: ``fingerprint(key)``)."""
         if self._closed and self._guard is None:
             raise RuntimeError("RankCommunicator used after close()")
-        return self._agreement.agree(key, timeout, aux, error)
+        return self._agreement.agree(key, timeout, aux, error, h)
 
     def _record(self, name: str, t0: float, nbytes: int, **args: Any) -> None:
         """A ``collective`` timeline event from ``t0`` to now (wait = the check)."""
@@ -153,10 +152,10 @@ class RankCommunicator:
         timeline.record(name, "collective", t0, t2 - t0, bytes=nbytes, wait_us=c1 - c0,
                         transfer_us=t2 - c1, ranks=self.size, **args)
 
-    @property
+    @functools.cached_property
     def cuda_aware(self) -> bool:
-        """Whether CuPy buffers go to MPI directly (else host-staged)."""
-        return bool(mpi_cuda_support())
+        """Whether CuPy buffers go to MPI directly (else host-staged), from this communicator's settings."""
+        return bool(mpi_cuda_support(self.settings))
 
     def _device(self) -> list[Transport]:
         """The device transports, made at the first device bucket."""
@@ -189,7 +188,7 @@ class RankCommunicator:
         timeout, pack_bytes = (self._timeout, self._pack) if options is None else self._settings(options)
         arrays = list(arrays)
         # Plan: the signature and validation, then the steps (cached by the call's fingerprint).
-        opname, error = (op, None) if type(op) is str and op in WIRE_OPS else _op_param(op)
+        opname, error = _op_param(op)
         sig, kinds, sig_error = allreduce_signature(arrays, inplace, self._device_mpi_missing)
         error = error or sig_error
         key = ("allreduce", (("op", opname),), sig)
@@ -207,7 +206,7 @@ class RankCommunicator:
             # Not planned before: every rank checks first, then plans. Planning may make transports
             # and a transport's first bucket of a size may grow shared memory (both collective), so
             # a plan is made, and cached, only for a call every rank agreed on.
-            aux = self._agree(key, timeout, check_aux(pack_bytes))
+            aux = self._agree(key, timeout, check_aux(pack_bytes), h=h)
             if aux is not None:
                 require_same_pack(aux)
             plan = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)

@@ -57,14 +57,14 @@ def _query_library() -> bool | None:
     return bool(query())
 
 
-def mpi_cuda_support() -> bool | None:
+def mpi_cuda_support(settings: config.Settings | None = None) -> bool | None:
     """Whether the MPI library accepts CUDA device pointers.
 
-    ``MPISTRAT_CUDA_AWARE=1`` or ``0`` forces True or False; otherwise the
-    library's ``MPIX_Query_cuda_support()`` (exported by MPICH and Open MPI),
-    asked through ctypes, answers, and None means unknown (the query is not exported).
+    ``MPISTRAT_CUDA_AWARE=1`` or ``0`` (from ``settings``, default the environment's) forces True
+    or False; otherwise the library's ``MPIX_Query_cuda_support()`` (exported by MPICH and Open
+    MPI), asked through ctypes once, answers, and None means unknown (the query is not exported).
     """
-    forced = config.get("cuda_aware")
+    forced = config.get("cuda_aware") if settings is None else settings.cuda_aware
     return _query_library() if forced is None else forced
 
 
@@ -87,7 +87,7 @@ class DeviceMpiTransport(Transport):
     @classmethod
     def create(cls, ctx: TransportContext) -> "DeviceMpiTransport":
         """The transport-table factory."""
-        return cls(ctx.comm, bool(mpi_cuda_support()))
+        return cls(ctx.comm, bool(mpi_cuda_support(ctx.settings)))
 
     @staticmethod
     def _device_empty(count: int, dtype: np.dtype) -> Any:
