@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mpistrat.data as D
-from mpistrat.data import InputPipelineError, OutOfRangeError, TensorSpec
+from mpistrat.data import InputPipelineError, InvalidArgumentError, OutOfRangeError, TensorSpec
 from mpistrat.data.distribute import DistributedDataset, DistributedDatasetsFromFunction
 from mpistrat.data.prefetch import live_producer_threads
 from mpistrat.data.spec import PerReplicaSpec
@@ -55,11 +55,13 @@ def test_one_replica_gets_whole_batches(options):
 def test_two_local_replicas_array_split_and_empty_batches(options):
     ds = D.Dataset.from_tensor_slices((np.arange(7, dtype=np.float32).reshape(7, 1), np.arange(7))).batch(3)
     steps = list(DistributedDataset(ds, TWO, options))
-    assert len(steps) == 3 and all(isinstance(s, PerReplica) for s in steps)
-    feats = [[v[0][:, 0].tolist() for v in s.values] for s in steps]
+    # TF: a tuple element yields a tuple of PerReplica leaves (input_lib._create_per_replica)
+    assert len(steps) == 3 and all(type(s) is tuple and all(isinstance(v, PerReplica) for v in s) for s in steps)
+    feats = [[v[:, 0].tolist() for v in s[0].values] for s in steps]
     assert feats == [[[0, 1], [2]], [[3, 4], [5]], [[6], []]]
-    empty = steps[2].values[1]
-    assert empty[0].shape == (0, 1) and empty[0].dtype == np.float32 and empty[1].shape == (0,) and empty[1].dtype == np.int64
+    features, labels = steps[2]
+    empty_x, empty_y = features.values[1], labels.values[1]
+    assert empty_x.shape == (0, 1) and empty_x.dtype == np.float32 and empty_y.shape == (0,) and empty_y.dtype == np.int64
 
 
 def test_three_replicas_partial_batch_smaller_than_replicas():
@@ -70,7 +72,7 @@ def test_three_replicas_partial_batch_smaller_than_replicas():
 def test_dict_elements_and_bytes():
     ds = D.Dataset.from_tensor_slices({"x": np.arange(4), "s": [b"a", b"b", b"c", b"d"]}).batch(4)
     (step,) = list(DistributedDataset(ds, TWO, None))
-    assert step.values[0]["s"].tolist() == [b"a", b"b"] and step.values[1]["x"].tolist() == [2, 3]
+    assert step["s"].values[0].tolist() == [b"a", b"b"] and step["x"].values[1].tolist() == [2, 3]
 
 
 def test_element_spec_and_iterator_api():
@@ -78,15 +80,16 @@ def test_element_spec_and_iterator_api():
     spec = TensorSpec((None,), np.dtype(np.int64))
     assert dist.element_spec == PerReplicaSpec((spec, spec))
     single = DistributedDataset(D.Dataset.range(4).batch(2, drop_remainder=True), ONE, None)
-    assert single.element_spec == spec
+    static = TensorSpec((2,), np.dtype(np.int64))  # TF: one replica in sync keeps the dataset's spec
+    assert single.element_spec == static
     it = iter(single)
-    assert it.element_spec == spec
+    assert it.element_spec == static
     assert it.get_next().tolist() == [0, 1]
     opt = it.get_next_as_optional()
     assert opt.has_value() and opt.get_value().tolist() == [2, 3]
     end = it.get_next_as_optional()
-    assert not end.has_value()
-    with pytest.raises(OutOfRangeError):
+    assert not end.has_value() and end.element_spec == static
+    with pytest.raises(InvalidArgumentError, match="The given optional does not have a value"):
         end.get_value()
     with pytest.raises(OutOfRangeError, match="End of sequence"):
         it.get_next()
@@ -135,7 +138,7 @@ def test_bad_arguments():
 
 def test_input_options_defaults_and_context():
     o = InputOptions()
-    assert o.experimental_fetch_to_device is None and o.fetch_to_device
+    assert o.experimental_fetch_to_device is True  # TF: None means True (tf.distribute.InputOptions.__new__)
     assert o.experimental_replication_mode == InputReplicationMode.PER_WORKER
     assert o.experimental_place_dataset_on_device is False and o.experimental_per_replica_buffer_size == 1
     ctx = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)

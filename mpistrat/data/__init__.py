@@ -8,7 +8,7 @@ tf.distribute, on purpose: docs/data.md.
 
 from mpistrat.data import experimental
 from mpistrat.data.dataset import AUTOTUNE, Dataset, NpyDataset, TextLineDataset, TFRecordDataset
-from mpistrat.data.errors import DataLossError, InputPipelineError, OutOfRangeError
+from mpistrat.data.errors import DataLossError, InputPipelineError, InvalidArgumentError, OutOfRangeError
 from mpistrat.data.example import FixedLenFeature, VarLenFeature, decode_example, encode_example, parse_single_example
 from mpistrat.data.options import AutoShardPolicy, DistributeOptions, Options
 from mpistrat.data.spec import TensorSpec
@@ -36,4 +36,5 @@ __all__ = [
     "DataLossError",
     "InputPipelineError",
     "OutOfRangeError",
+    "InvalidArgumentError",
 ]

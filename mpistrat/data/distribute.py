@@ -2,8 +2,9 @@
 
 ``DistributedDataset`` and ``DistributedDatasetsFromFunction`` are what the
 strategies return from ``experimental_distribute_dataset`` and
-``distribute_datasets_from_function``; each step yields the plain value with
-one local replica, else a ``PerReplica`` in local replica order. Sharding is
+``distribute_datasets_from_function``; each step yields the element as it is
+with one local replica, else the element's structure with one ``PerReplica``
+per leaf (local replica order), as tf.distribute does. Sharding is
 :mod:`.autoshard`'s, batch splitting :mod:`.splitting`'s, the background
 thread :mod:`.prefetch`'s; this module holds the ranks' agreement on steps
 (:class:`DistributedIterator`) and the placement on devices.
@@ -18,14 +19,16 @@ import numpy as np
 
 from mpistrat import nest, timeline
 from mpistrat.devices import device_index, is_gpu, to_device
+from mpistrat.distribute import context
 from mpistrat.distribute.input_options import InputContext, InputOptions, InputReplicationMode, InputWorkerInfo
+from mpistrat.distribute.regroup import regroup
 from mpistrat.distribute.values import PerReplica
 from mpistrat.data.autoshard import DATA, needs_seeds, resolve_policy, with_seeds
 from mpistrat.data.dataset import Dataset
 from mpistrat.data.errors import InputPipelineError, OutOfRangeError, rank_label
 from mpistrat.data.optional import Optional
 from mpistrat.data.prefetch import BackgroundProducer, ByteBudget
-from mpistrat.data.spec import PerReplicaSpec, TensorSpec
+from mpistrat.data.spec import TensorSpec, per_replica_spec
 from mpistrat.data.splitting import empty_like_template, function_steps, global_steps, local_steps, template_of
 
 __all__ = ["DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator", "Optional"]
@@ -51,11 +54,21 @@ def _check_options(options: Any) -> InputOptions:
         return InputOptions()
     if not isinstance(options, InputOptions):
         raise TypeError(f"options must be an mpistrat.InputOptions, got {type(options).__name__}")
+    if options.experimental_fetch_to_device is None:  # InputOptions(...) maps None to True; _replace does not
+        options = options._replace(experimental_fetch_to_device=True)
     if options.experimental_per_replica_buffer_size < 0:
         raise ValueError(
             f"experimental_per_replica_buffer_size must be >= 0, got {options.experimental_per_replica_buffer_size}"
         )
     return options
+
+
+def _require_outside_replica_fn() -> None:
+    """Raise inside a replica function: each replica would take a step of its own (TF's get_next rule)."""
+    frame = context.current_frame()
+    if frame.replica_context is not None and frame.strategy is not context.default_strategy():
+        raise ValueError("next(iterator) should be called from outside of replica_fn. e.g. "
+                         "strategy.run(replica_fn, args=(next(iterator),))")
 
 
 def _failure_message(exc: BaseException) -> str:
@@ -144,6 +157,11 @@ class _Placer:
 class DistributedIterator:
     """One pass over a distributed dataset: ``next``, ``get_next``, ``get_next_as_optional``.
 
+    Each step is the element as it is with one local replica, else the
+    element's structure with one ``PerReplica`` per leaf. All three must be
+    called outside a replica function (in it they raise ValueError and take
+    nothing).
+
     The ranks agree (``communicator.step_agreement``) on a code per rank: n > 0
     steps this rank holds in memory, 0 exhausted, -1 exhausted without ever
     having seen a batch (it then receives the structure of an empty batch), -2
@@ -193,7 +211,8 @@ class DistributedIterator:
         self._held = 0
         # experimental_place_dataset_on_device (PER_REPLICA, no fetch): each replica's values go to its
         # device as they are handed out, without a prefetch thread.
-        placer = _Placer(info.local_devices, options.fetch_to_device or options.experimental_place_dataset_on_device)
+        fetch = bool(options.experimental_fetch_to_device)
+        placer = _Placer(info.local_devices, fetch or options.experimental_place_dataset_on_device)
         self._placer = placer
         buffer = options.experimental_per_replica_buffer_size
         self._producer: _Opt[BackgroundProducer] = None
@@ -201,7 +220,7 @@ class DistributedIterator:
         self._target = 1  # steps to wait for (briefly) before the next agreement; doubles up to the depth
         self._depth_cap = buffer  # the most steps the prefetch thread may hold (its queue grows up to it)
         budget = None
-        if options.fetch_to_device and buffer > 0:
+        if fetch and buffer > 0:
             # The thread runs at most its queue's depth ahead and then blocks. It starts at `buffer`: a thread
             # that is always busy (a deep queue filling) holds the GIL whenever this thread wakes from the
             # user's compute, which costs up to the interpreter's switch interval per step. With
@@ -322,6 +341,7 @@ class DistributedIterator:
         raise self._error from exc
 
     def __next__(self) -> Any:
+        _require_outside_replica_fn()
         # The timeline records the time the replicas waited for their next batch (reading, agreement,
         # placement) around the same call; off, it costs the one check.
         traced = timeline.enabled()
@@ -357,6 +377,7 @@ class DistributedIterator:
         return self._assemble(values)
 
     def _assemble(self, values: List[Any]) -> Any:
+        """One step's value: the element with one local replica, else its structure of PerReplica leaves."""
         if len(values) == 1 and values[0] is not None:
             return values[0]
         if any(v is None for v in values):
@@ -364,29 +385,31 @@ class DistributedIterator:
                 self._template = next(template_of(v) for v in values if v is not None)
             empty = self._placer([empty_like_template(self._template)] * len(values))
             values = [v if v is not None else empty[i] for i, v in enumerate(values)]
-        return values[0] if len(values) == 1 else PerReplica(values)
+        if len(values) == 1:
+            return values[0]
+        return regroup(values, PerReplica, always_wrap=True, what="got input elements")
 
     # -- public API ---------------------------------------------------------------------
     def __iter__(self) -> "DistributedIterator":
         return self
 
     def get_next(self) -> Any:
-        """The next per-replica values; raises OutOfRangeError at the end."""
+        """The next step's values; raises OutOfRangeError at the end."""
         try:
             return self.__next__()
         except StopIteration:
             raise OutOfRangeError("End of sequence") from None
 
     def get_next_as_optional(self) -> Optional:
-        """The next per-replica values as an Optional, empty at the end (on every rank together)."""
+        """The next step's values as an Optional, empty at the end (on every rank together)."""
         try:
             return Optional.from_value(self.__next__())
         except StopIteration:
-            return Optional.empty(self.element_spec)
+            return Optional._empty_with_spec_from(lambda: self.element_spec)
 
     @property
     def element_spec(self) -> Any:
-        """The spec of what one step yields (per replica: leading dimension None)."""
+        """The spec of what one step yields (the dataset's ``element_spec``)."""
         return self._spec_fn()
 
     def _finish(self) -> None:
@@ -417,12 +440,13 @@ class _DistributedBase:
         raise NotImplementedError
 
     def _per_replica(self, spec: Any) -> Any:
+        """The spec of a step: ``spec`` with one local replica, else a PerReplicaSpec per leaf."""
         if self._info.num_local_replicas == 1:
             return spec
-        return PerReplicaSpec((spec,) * self._info.num_local_replicas)
+        return per_replica_spec(spec, self._info.num_local_replicas)
 
     def reduce(self, initial_state: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
-        """Fold ``reduce_fn(state, per_replica_values)`` over every step."""
+        """Fold ``reduce_fn(state, step)`` over every step (a step as the iterator yields it)."""
         state = initial_state
         for value in self:
             state = reduce_fn(state, value)
@@ -437,17 +461,24 @@ class _DistributedBase:
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
 
-def _unbatched_to_replica(spec: Any) -> Any:
-    return nest.map_structure(lambda s: TensorSpec((None,) + tuple(s.shape[1:]), s.dtype), spec)
+def _replica_piece_spec(spec: TensorSpec) -> TensorSpec:
+    """The spec of one replica's piece of a batch of ``spec``: an unknown number of rows."""
+    if not spec.shape:
+        raise ValueError(
+            "A distributed dataset's elements must be batches when there are several replicas in sync "
+            f"(call .batch(global_batch_size) before distributing); got a component of spec {spec}"
+        )
+    return TensorSpec((None,) + tuple(spec.shape[1:]), spec.dtype)
 
 
 class DistributedDataset(_DistributedBase):
     """A batched Dataset spread over the replicas of all ranks (``experimental_distribute_dataset``).
 
-    The dataset must be batched by the global batch size. The dataset's
-    ``auto_shard_policy`` picks what this rank reads (FILE: its files; DATA and
-    OFF: everything) and :mod:`.splitting` how each batch is cut over the
-    replicas. Iterating again starts a new pass.
+    With several replicas in sync the dataset must be batched by the global
+    batch size; with one, its elements pass through whole, batched or not (as
+    TF). The dataset's ``auto_shard_policy`` picks what this rank reads (FILE:
+    its files; DATA and OFF: everything) and :mod:`.splitting` how each batch
+    is cut over the replicas. Iterating again starts a new pass.
     """
 
     def __init__(self, dataset: Dataset, worker_info: InputWorkerInfo, options: _Opt[InputOptions] = None):
@@ -493,8 +524,24 @@ class DistributedDataset(_DistributedBase):
 
     @property
     def element_spec(self) -> Any:
-        """Per-replica spec: the dataset's spec with an unknown leading (batch) dimension."""
-        return self._per_replica(_unbatched_to_replica(self._dataset.element_spec))
+        """The dataset's spec with one replica in sync; else per replica, with an unknown number of rows."""
+        spec = self._dataset.element_spec
+        if self._info.num_replicas_in_sync == 1:
+            return spec
+        return self._per_replica(nest.map_structure(_replica_piece_spec, spec))
+
+
+def _same_structure(steps: Iterator[List[Any]]) -> Iterator[List[Any]]:
+    """Pass steps on; a step whose replicas' elements differ in structure is a read error (on every rank)."""
+    for values in steps:
+        signatures = [None if v is None else nest.structure_signature(v) for v in values]
+        known = [s for s in signatures if s is not None]
+        if any(s != known[0] for s in known):
+            raise ValueError(
+                "The datasets dataset_fn built for the replicas yield elements of different structures: "
+                + ", ".join(f"local replica {r}: {s}" for r, s in enumerate(signatures) if s is not None)
+            )
+        yield values
 
 
 class DistributedDatasetsFromFunction(_DistributedBase):
@@ -515,7 +562,7 @@ class DistributedDatasetsFromFunction(_DistributedBase):
                     "When `experimental_place_dataset_on_device` is set for dataset placement, you must also "
                     "specify `PER_REPLICA` for the replication mode"
                 )
-            if per_replica and opts.fetch_to_device and opts.experimental_place_dataset_on_device:
+            if per_replica and opts.experimental_fetch_to_device and opts.experimental_place_dataset_on_device:
                 raise ValueError(
                     "`experimental_place_dataset_on_device` can not be set to True when experimental_fetch_to_device "
                     "is True and replication mode is set to `PER_REPLICA`"
@@ -538,7 +585,8 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         self._info, self._options, self._datasets = info, opts, datasets
 
     def _make_steps(self) -> Iterator[List[Any]]:
-        return function_steps([iter(d) for d in self._datasets], self._info.num_local_replicas)
+        steps = function_steps([iter(d) for d in self._datasets], self._info.num_local_replicas)
+        return _same_structure(steps) if len(self._datasets) > 1 else steps
 
     @property
     def element_spec(self) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DataLossError", "InputPipelineError", "OutOfRangeError", "rank_label"]
+__all__ = ["DataLossError", "InputPipelineError", "InvalidArgumentError", "OutOfRangeError", "rank_label"]
 
 
 class DataLossError(OSError):
@@ -15,6 +15,10 @@ class InputPipelineError(RuntimeError):
 
 class OutOfRangeError(Exception):
     """``DistributedIterator.get_next()`` past the end of the data (TF's OutOfRangeError)."""
+
+
+class InvalidArgumentError(Exception):
+    """An operation got an argument it cannot use, e.g. an empty ``Optional``'s value (TF's InvalidArgumentError)."""
 
 
 def rank_label() -> str:

@@ -8,8 +8,10 @@ from typing import Any, Optional
 import numpy as np
 
 from mpistrat import nest
+from mpistrat.distribute.values import PerReplica
 
-__all__ = ["TensorSpec", "PerReplicaSpec", "spec_of", "batched_spec", "unbatched_spec", "to_numpy_leaf"]
+__all__ = ["TensorSpec", "PerReplicaSpec", "spec_of", "per_replica_spec", "batched_spec", "unbatched_spec",
+           "to_numpy_leaf"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class PerReplicaSpec:
-    """The specs of a ``PerReplica`` value: one nest of TensorSpecs per local replica."""
+    """The specs of one ``PerReplica`` leaf: one TensorSpec per local replica, as ``tf.distribute``'s."""
 
     value_specs: tuple
 
@@ -47,7 +49,9 @@ def to_numpy_leaf(x: Any) -> Any:
     return np.asarray(x)
 
 
-def _leaf_spec(x: Any) -> TensorSpec:
+def _leaf_spec(x: Any) -> Any:
+    if isinstance(x, PerReplica):
+        return PerReplicaSpec(tuple(spec_of(v) for v in x.values))
     if isinstance(x, (bytes, str)):
         return TensorSpec((), np.dtype(object))
     shape = tuple(int(d) for d in getattr(x, "shape", np.shape(x)))
@@ -56,8 +60,13 @@ def _leaf_spec(x: Any) -> TensorSpec:
 
 
 def spec_of(element: Any) -> Any:
-    """The nest of TensorSpecs describing ``element``."""
+    """The nest of TensorSpecs describing ``element`` (a ``PerReplica`` leaf gets a PerReplicaSpec)."""
     return nest.map_structure(_leaf_spec, element)
+
+
+def per_replica_spec(spec: Any, num_replicas: int) -> Any:
+    """``spec`` with each TensorSpec leaf replaced by a PerReplicaSpec of ``num_replicas`` copies of it."""
+    return nest.map_structure(lambda s: PerReplicaSpec((s,) * num_replicas), spec)
 
 
 def batched_spec(spec: Any, batch_size: Optional[int]) -> Any:

@@ -68,11 +68,11 @@ def local_steps(batches: Iterator[Any], num_workers: int, num_local: int, worker
 
     Steps with no rows at all after the worker's last batch are dropped; to know a
     batch is the last one, the next batch is read early only when such steps exist.
+    With one replica in all, every element is one step, whole: batched or not (as TF).
     """
-    if num_workers * num_local == 1:  # one replica in all: whole batches
-        for batch in batches:
-            element_length(batch)  # the same check as the cutting path: a batched element
-            yield [batch]
+    if num_workers * num_local == 1:
+        for element in batches:
+            yield [element]
         return
     it = iter(batches)
     end = object()

@@ -25,11 +25,19 @@ class InputReplicationMode(enum.Enum):
     PER_REPLICA = "PER_REPLICA"
 
 
-class InputOptions(NamedTuple):
+class _InputOptionsFields(NamedTuple):
+    experimental_fetch_to_device: bool
+    experimental_replication_mode: InputReplicationMode
+    experimental_place_dataset_on_device: bool
+    experimental_per_replica_buffer_size: int
+
+
+class InputOptions(_InputOptionsFields):
     """Options for distributed input, as ``tf.distribute.InputOptions``.
 
-    experimental_fetch_to_device: copy each replica's batch to its device (default True);
-      with a positive buffer size a background thread per rank does it ahead of time.
+    experimental_fetch_to_device: copy each replica's batch to its device (default True; None means
+      True, as TF); with a positive buffer size a background thread per rank does it ahead of time.
+      On CPU devices the batch already is where the replica reads it: placement copies nothing.
     experimental_replication_mode: PER_WORKER (default) or PER_REPLICA (datasets from function).
     experimental_place_dataset_on_device: build the dataset on the device (PER_REPLICA only).
     experimental_per_replica_buffer_size: batches prefetched per replica (default 1; 0 disables). On GPUs
@@ -37,15 +45,16 @@ class InputOptions(NamedTuple):
       deepens from it up to 64 steps (32 MiB) so the ranks agree on steps less often.
     """
 
-    experimental_fetch_to_device: Optional[bool] = None
-    experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
-    experimental_place_dataset_on_device: bool = False
-    experimental_per_replica_buffer_size: int = 1
+    __slots__ = ()
 
-    @property
-    def fetch_to_device(self) -> bool:
-        """``experimental_fetch_to_device`` with its default (None means True) applied."""
-        return True if self.experimental_fetch_to_device is None else bool(self.experimental_fetch_to_device)
+    def __new__(cls, experimental_fetch_to_device: Optional[bool] = None,
+                experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER,
+                experimental_place_dataset_on_device: bool = False,
+                experimental_per_replica_buffer_size: int = 1) -> "InputOptions":
+        if experimental_fetch_to_device is None:
+            experimental_fetch_to_device = True
+        return super().__new__(cls, experimental_fetch_to_device, experimental_replication_mode,
+                               experimental_place_dataset_on_device, experimental_per_replica_buffer_size)
 
 
 class InputContext:
