@@ -47,6 +47,7 @@ _LAZY = {
     "DistributedIterator": ("mpistrat.data.distribute", "DistributedIterator"),
     "cluster_resolver": ("mpistrat.cluster_resolver", None),
     "experimental": ("mpistrat.experimental", None),
+    "nn": ("mpistrat.nn", None),
     "data": ("mpistrat.data", None),
     "optimizers": ("mpistrat.optimizers", None),
     "checkpoint": ("mpistrat.checkpoint", None),

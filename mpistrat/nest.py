@@ -76,7 +76,7 @@ def _rebuild(template: Any, children: list) -> Any:
             out[k] = built[k]
         return out
     if _is_namedtuple(template):
-        return type(template)(*children)
+        return type(template)._make(children)  # as TF's regroup: never a subclass's own __new__
     if isinstance(template, tuple):
         return tuple(children)
     return list(children)

@@ -37,10 +37,19 @@ def test_per_replica_and_mirrored_hold_values():
         ms.PerReplica([])
 
 
-def test_distributed_value_where_single_value_needed_raises():
+def test_per_replica_where_single_value_needed():
+    """TF converts a PerReplica only inside a replica context, to that replica's value; anywhere else it raises
+    ValueError "It looks like you are using a PerReplica object while not inside a replica context"
+    (values.py _per_replica_to_tensor; values_test.py PerReplicaTest.testUsePerReplicaInvalidContextGivesError)."""
     p = ms.PerReplica([np.ones(2), np.zeros(2)])
-    with pytest.raises(TypeError, match="cannot be used where a single value is needed"):
+    with pytest.raises(ValueError, match="using a PerReplica object while not inside a replica context"):
         np.asarray(p)
+    s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with s.scope():
+        with pytest.raises(ValueError, match="not inside a replica context"):
+            np.asarray(p)
+    seen = s.experimental_local_results(s.run(lambda: np.asarray(p).tolist()))
+    assert seen == ([1.0, 1.0], [0.0, 0.0])
     with pytest.raises(TypeError, match="ambiguous"):
         bool(p)
 

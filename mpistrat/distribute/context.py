@@ -21,6 +21,10 @@ __all__ = [
     "get_cross_replica_context",
     "experimental_set_strategy",
     "local_replica_id_of",
+    "current_local_replica_id",
+    "enter_default_scope",
+    "exit_default_scope",
+    "in_default_scope",
 ]
 
 
@@ -39,6 +43,7 @@ class Frame(NamedTuple):
 class _State(threading.local):
     def __init__(self) -> None:
         self.stack: list[Frame] = []
+        self.default_scopes = 0  # default-strategy scopes this thread is inside
 
 
 _state = _State()
@@ -141,6 +146,38 @@ def local_replica_id_of(strategy: Any) -> int | None:
         return frame.update_replica
     ctx = frame.replica_context
     return None if ctx is None else ctx._local_replica_id
+
+
+def current_local_replica_id() -> int | None:
+    """The local replica whose copy of a mirrored value stands for it here, whatever its strategy.
+
+    The copy being updated inside ``extended.update``, the running replica's
+    inside ``strategy.run``; None in cross-replica context and with no
+    strategy (the first copy).
+    """
+    frame = current_frame()
+    if frame.update_replica is not None:
+        return frame.update_replica
+    ctx = frame.replica_context
+    return None if ctx is None or frame.strategy is default_strategy() else ctx._local_replica_id
+
+
+def enter_default_scope() -> None:
+    """Note that this thread entered the default strategy's scope (which pushes no frame)."""
+    _state.default_scopes += 1
+
+
+def exit_default_scope() -> None:
+    """Note that this thread left a default strategy's scope entered with :func:`enter_default_scope`."""
+    if _state.default_scopes <= 0:
+        raise RuntimeError("Distribution context corrupted: the default strategy's scope was exited more often "
+                           "than entered")
+    _state.default_scopes -= 1
+
+
+def in_default_scope() -> bool:
+    """Whether this thread is inside the default strategy's scope (TF then creates variables only under it)."""
+    return _state.default_scopes > 0
 
 
 def experimental_set_strategy(strategy: Any) -> None:

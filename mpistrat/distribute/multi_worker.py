@@ -66,6 +66,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         """The cluster resolver this strategy was built from."""
         return self._cluster_resolver
 
+    def __deepcopy__(self, memo: dict) -> "MultiWorkerMirroredStrategy":
+        """Refused, as TF's eager MultiWorkerMirroredStrategy does (its communicator is one collective resource)."""
+        raise ValueError("MultiWorkerMirroredStrategy cannot be deep copied in eager mode.")
+
     def __repr__(self) -> str:
         ext = self._extended
         return (f"<MultiWorkerMirroredStrategy worker {ext._worker_index}/{ext._num_workers} "

@@ -18,6 +18,7 @@ from mpistrat.distribute.context import Frame
 from mpistrat.distribute.regroup import regroup, select_replica
 from mpistrat.distribute.replica_group import Rendezvous
 from mpistrat.distribute.values import DistributedValues, ReduceOp
+from mpistrat.distribute.variables import check_same_creation
 
 __all__ = ["ReplicaContext"]
 
@@ -91,6 +92,36 @@ class ReplicaContext:
             return [select_replica(i, result) for i in range(len(payloads))]
 
         return self._meet("merge_call", (merge_fn, tuple(args), dict(kwargs)), run_merge)
+
+    def _create_variable(self, kwargs: dict) -> Any:
+        """``Variable(**kwargs)`` from this replica: created once, shared by every replica (TF's shared creator).
+
+        The step's replicas meet; their arguments must describe the same
+        variable (``variables.check_same_creation``). The first replica's
+        arguments make it, in its own thread and replica context (a callable
+        initial value is called there, once), then in cross-replica context;
+        every replica gets that variable. Under a multi-worker strategy the
+        initial value is the chief's, as for a variable made in the scope.
+        """
+        self._require_current()
+        strategy = self._strategy
+        devices = strategy.extended._local_devices
+
+        def run_create(payloads: list) -> list:
+            check_same_creation(payloads)
+            first = dict(payloads[0])
+            if callable(first["initial_value"]):
+                with dev.device_scope(devices[0]):
+                    first["initial_value"] = first["initial_value"]()
+            frame = Frame(strategy, None)
+            context.push(frame)
+            try:
+                var = strategy.extended._create_variable(first)
+            finally:
+                context.pop(frame)
+            return [var] * len(payloads)
+
+        return self._meet("create_variable", kwargs, run_create)
 
     def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
         """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""

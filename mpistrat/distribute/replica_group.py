@@ -87,7 +87,7 @@ class Rendezvous:
             self._abort = CollectiveOrderError(
                 f"Replica(s) {waiting} wait in {kind} but the other replicas returned from the "
                 "replica function without calling it: every replica must call the same collectives "
-                "(all_reduce, all_gather, merge_call) in the same order."
+                "(all_reduce, all_gather, merge_call, variable creation) in the same order."
             )
 
     def _stopped_waiting(self, local_id: int, kind: str) -> BaseException:

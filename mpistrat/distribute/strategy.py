@@ -65,21 +65,33 @@ class RunOptions:
         self.experimental_xla_options = experimental_xla_options
 
 
+_DEFAULT_SCOPE = "default scope"  # a _StrategyScope entry: the default strategy's scope was entered
+
+
 class _StrategyScope:
     """Context manager returned by ``Strategy.scope()`` (TF's nesting rules)."""
 
     def __init__(self, strategy: "Strategy"):
         self._strategy = strategy
-        self._frames: list[Frame | None] = []  # one entry per __enter__ (None: nothing was pushed)
+        # One entry per __enter__: the frame pushed, None (nothing pushed) or _DEFAULT_SCOPE.
+        self._entries: list[Frame | str | None] = []
 
     def __enter__(self) -> "Strategy":
-        self._frames.append(_enter_scope(self._strategy))
-        return self._strategy
+        strategy = self._strategy
+        if strategy._extended._is_default:
+            _scope_needs_frame(strategy)  # raises inside another strategy's scope
+            context.enter_default_scope()
+            self._entries.append(_DEFAULT_SCOPE)
+        else:
+            self._entries.append(_enter_scope(strategy))
+        return strategy
 
     def __exit__(self, *exc: Any) -> None:
-        frame = self._frames.pop()
-        if frame is not None:
-            context.pop(frame)
+        entry = self._entries.pop()
+        if entry is _DEFAULT_SCOPE:
+            context.exit_default_scope()
+        elif entry is not None:
+            context.pop(entry)
 
 
 def _enter_scope(strategy: "Strategy") -> Frame | None:
@@ -306,9 +318,6 @@ class StrategyExtended:
             raise RuntimeError("Method requires being in cross-replica context, use "
                                "get_replica_context().merge_call()")
 
-    def _reduce(self, reduce_op: ReduceOp, value: Any) -> Any:
-        return self.reduce_to(reduce_op, value, self._host_device)
-
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
         """Copy ``tensor`` to ``destinations``."""
         return self._cross_device_ops.broadcast(tensor, destinations)
@@ -404,6 +413,15 @@ class StrategyExtended:
         yield
 
     def _create_variable(self, kwargs: dict) -> Any:
+        """The distributed variable for ``Variable(**kwargs)``.
+
+        In a replica of this strategy, as TF's shared variable creator: the
+        replicas meet, the first replica's arguments create the variable and
+        every replica gets that same variable.
+        """
+        replica_ctx = context.get_replica_context()
+        if replica_ctx is not None:
+            return replica_ctx._create_variable(kwargs)
         return variables.create_for_strategy(self._container_strategy(), kwargs)
 
     def _broadcast_initial_values(self, arrays: list) -> list:
@@ -423,6 +441,12 @@ def _copy_if_variable(source: Any, array: Any) -> Any:
     if getattr(source, "_is_variable", False) and hasattr(array, "copy"):
         return array.copy()
     return array
+
+
+def _divide(numer: Any, denom: Any) -> Any:
+    """``numer / denom`` in ``numer``'s floating dtype (float64 for integers), as TF's mean along an axis."""
+    numer = np.asarray(numer)
+    return numer / np.asarray(denom).astype(numer.dtype if numer.dtype.kind in "fc" else np.float64)
 
 
 def _read(value: Any) -> Any:
@@ -458,7 +482,7 @@ class Strategy:
     def run(self, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None, options: RunOptions | None = None) -> Any:
         """Run ``fn`` on each replica with the given arguments; per-replica results are regrouped."""
         if not isinstance(args, (list, tuple)):
-            raise ValueError(f"`args` to `run` must be a list or tuple, got {type(args).__name__}: {args!r}")
+            raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"`kwargs` to `run` must be a dict, got {type(kwargs).__name__}")
         ext = self._extended
@@ -483,20 +507,30 @@ class Strategy:
                                 fn=getattr(fn, "__name__", "fn"), replicas=ext._num_local)
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None) -> Any:
-        """Reduce ``value`` across replicas (and along ``axis`` within each replica) to the host."""
+        """Reduce ``value`` across replicas (and along ``axis`` within each replica) to the host.
+
+        ``value`` may be a nested structure: each leaf is reduced, all of them
+        in one fused reduction, and the structure is kept.
+        """
         op = ReduceOp.from_string(reduce_op)
         with self.scope():
             ext = self._extended
+            host = ext._host_device
+            leaves = nest.flatten(value)
             if axis is None:
-                return ext._reduce(op, value)
-            if op is ReduceOp.MEAN:
+                reduced = ext.batch_reduce_to(op, [(leaf, host) for leaf in leaves])
+            elif op is ReduceOp.MEAN:
                 # The global mean along the axis: global sum / global count, not a mean of means.
-                numer, denom = self._per_replica(lambda v: sum_and_count(v, axis), value)
-                numer, denom = ext.batch_reduce_to(
-                    ReduceOp.SUM, [(numer, ext._host_device), (denom, ext._host_device)])
-                numer = np.asarray(numer)
-                return numer / np.asarray(denom).astype(numer.dtype if numer.dtype.kind in "fc" else np.float64)
-            return ext._reduce(op, self._per_replica(lambda v: reduce_along(op, v, axis), value))
+                pairs = []
+                for leaf in leaves:
+                    numer, denom = self._per_replica(lambda v: sum_and_count(v, axis), leaf)
+                    pairs += [(numer, host), (denom, host)]
+                sums = ext.batch_reduce_to(ReduceOp.SUM, pairs)
+                reduced = [_divide(numer, denom) for numer, denom in zip(sums[::2], sums[1::2])]
+            else:
+                reduced = ext.batch_reduce_to(
+                    op, [(self._per_replica(lambda v: reduce_along(op, v, axis), leaf), host) for leaf in leaves])
+            return nest.pack_sequence_as(value, reduced)
 
     def _per_replica(self, fn: Callable[[Any], Any], value: Any) -> Any:
         """``fn`` applied to each local replica's part of ``value`` on its device, regrouped (no replica threads)."""
@@ -518,10 +552,16 @@ class Strategy:
             if nest.is_nested(comps[0]) else self._extended._gather_leaf(comps, axis, None)
 
     def experimental_local_results(self, value: Any) -> tuple:
-        """This worker's per-replica values of ``value`` as a tuple (``(value,)`` for a plain value)."""
+        """This worker's per-replica values of ``value`` as a tuple.
+
+        As TF: a distributed value gives its components; a nested structure
+        gives one structure per local replica (each distributed leaf replaced
+        by that replica's component, plain leaves repeated); a plain value
+        gives ``(value,)``.
+        """
         if isinstance(value, DistributedValues):
             return tuple(value.values)
-        if nest.is_nested(value) and contains_distributed(value):
+        if nest.is_nested(value):
             return tuple(select_component(i, value) for i in range(self._extended._num_local))
         return (value,)
 
@@ -554,7 +594,12 @@ class Strategy:
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
     def experimental_make_numpy_dataset(self, numpy_input: Any) -> Any:
-        """A ``mpistrat.data.Dataset`` of the slices of ``numpy_input`` (arrays, tuples or dicts of them)."""
+        """A ``mpistrat.data.Dataset`` of the slices of ``numpy_input`` (arrays, tuples or dicts of them).
+
+        As TF's (``StrategyExtendedV1.experimental_make_numpy_dataset``), in
+        cross-replica context of this strategy or with no strategy in scope.
+        """
+        self._extended._require_cross_replica_or_default_context()
         from mpistrat.data import Dataset  # noqa: PLC0415
 
         return Dataset.from_tensor_slices(numpy_input)
@@ -587,7 +632,7 @@ class _DefaultDistributionStrategy(Strategy):
 
     def run(self, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None, options: Any = None) -> Any:
         if not isinstance(args, (list, tuple)):
-            raise ValueError(f"`args` to `run` must be a list or tuple, got {type(args).__name__}: {args!r}")
+            raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
         return fn(*args, **(kwargs or {}))
 
     def __repr__(self) -> str:

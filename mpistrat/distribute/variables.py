@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import enum
 import itertools
-import operator
+import re
 import threading
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from mpistrat.distribute import context
 from mpistrat import devices as dev
-from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, ValueOperators
 
 _NO_SCOPE = contextlib.nullcontext()  # the CPU device scope (stateless, shared)
 
@@ -55,30 +56,15 @@ class VariableAggregation(enum.Enum):
 _names = itertools.count()
 
 
-def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable:
-    if reflected:
-        return lambda self, other: op(_operand(other), self.value())
-    return lambda self, other: op(self.value(), _operand(other))
-
-
 def _operand(x: Any) -> Any:
     return x.value() if getattr(x, "_is_variable", False) else x
 
 
-class _Operators:
-    """Arithmetic and comparison through the variable's current value (binary operators set below)."""
+class _Operators(ValueOperators):
+    """Operators through the variable's current value, and Python number conversion."""
 
-    def __neg__(self) -> Any:
-        return -self.value()
-
-    def __abs__(self) -> Any:
-        return abs(self.value())
-
-    def __invert__(self) -> Any:
-        return ~self.value()
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.value()[index]
+    def _operand_value(self) -> Any:
+        return self.value()
 
     def __float__(self) -> float:
         return float(self.value())
@@ -87,17 +73,6 @@ class _Operators:
         return int(self.value())
 
     __hash__ = object.__hash__
-
-
-_REFLECTED_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor", "matmul")
-_COMPARISONS = ("lt", "le", "gt", "ge")
-
-for _name in _REFLECTED_OPERATORS + _COMPARISONS:
-    _dunder = _name.rstrip("_")
-    setattr(_Operators, f"__{_dunder}__", _binary(getattr(operator, _name)))
-    if _name in _REFLECTED_OPERATORS:
-        setattr(_Operators, f"__r{_dunder}__", _binary(getattr(operator, _name), reflected=True))
-del _name, _dunder
 
 
 class BaseVariable(_Operators):
@@ -109,7 +84,6 @@ class BaseVariable(_Operators):
     """
 
     _is_variable = True
-    __array_priority__ = 100
 
     # subclasses provide: value(), _assign(method, value), name, dtype, shape, device
     def read_value(self) -> Any:
@@ -191,38 +165,91 @@ class _VariableMeta(abc.ABCMeta):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Variable and "_array" not in kwargs:
             strategy = context.get_strategy()
+            _require_default_scope_strategy(strategy)
             if strategy.extended._distributed_variables:
-                if not context.in_cross_replica_context():
-                    raise RuntimeError(
-                        f"Variables of {type(strategy).__name__} must be created in cross-replica context "
-                        "(under strategy.scope()), not inside strategy.run.")
                 return strategy.extended._create_variable(_bind_variable_args(*args, **kwargs))
         return super().__call__(*args, **kwargs)
+
+
+def _require_default_scope_strategy(strategy: Any) -> None:
+    """Raise when a variable is made under another strategy inside the default strategy's scope.
+
+    TF's default scope installs a variable creator that requires the default
+    strategy to be current (distribute_lib ``_DefaultDistributionContext``):
+    entering another strategy's scope inside it, or running it, and creating
+    a variable there raises.
+    """
+    if context.in_default_scope() and strategy is not context.default_strategy():
+        raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {strategy} is not "
+                           f"{context.default_strategy()}")
 
 
 def _bind_variable_args(initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
                         dtype: Any = None, synchronization: VariableSynchronization = VariableSynchronization.AUTO,
                         aggregation: VariableAggregation = VariableAggregation.NONE, shape: Any = None,
-                        **unknown: Any) -> dict:
+                        constraint: Callable[[Any], Any] | None = None, **unknown: Any) -> dict:
     if unknown:
         raise TypeError(f"Variable got unexpected keyword argument(s): {sorted(unknown)}")
     return dict(initial_value=initial_value, trainable=trainable, name=name, dtype=dtype,
-                synchronization=synchronization, aggregation=aggregation, shape=shape)
+                synchronization=synchronization, aggregation=aggregation, shape=shape, constraint=constraint)
 
 
 def _validate(kwargs: dict) -> tuple[VariableSynchronization, VariableAggregation, bool]:
+    """The checked synchronization and aggregation, and ``trainable`` (default: not for ON_READ), as tf.Variable."""
     sync, agg, trainable = kwargs["synchronization"], kwargs["aggregation"], kwargs["trainable"]
     if not isinstance(sync, VariableSynchronization):
         raise ValueError(f"Invalid variable synchronization mode: {sync} for variable: {kwargs['name']}")
     if not isinstance(agg, VariableAggregation):
         raise ValueError(f"Invalid variable aggregation mode: {agg} for variable: {kwargs['name']}")
+    constraint = kwargs["constraint"]
+    if constraint is not None and not callable(constraint):
+        raise ValueError(f"Argument `constraint` must be None or a callable. Got a {type(constraint)}: {constraint!r}")
     if trainable is None:
         trainable = sync is not VariableSynchronization.ON_READ
-    elif trainable and sync is VariableSynchronization.ON_READ:
-        raise ValueError("Synchronization value can be set to VariableSynchronization.ON_READ only for "
-                         "non-trainable variables. You have specified trainable=True and "
-                         "synchronization=VariableSynchronization.ON_READ.")
     return sync, agg, bool(trainable)
+
+
+def check_same_creation(per_replica: list[dict]) -> None:
+    """Raise naming the replicas when replicas of one step create different variables at the same point.
+
+    Compared: the name (without uniquifying ``_<digit>`` suffixes, as TF's
+    shared variable creator: ``foo_0`` and ``foo_1`` match), synchronization,
+    aggregation, trainable and dtype given, and the shape (given, or of an
+    initial value that is not a callable; a callable is only ever called for
+    the first replica, as TF's creator does).
+    """
+    first = _creation_signature(per_replica[0])
+    for i, kwargs in enumerate(per_replica[1:], start=1):
+        other = _creation_signature(kwargs)
+        differ = [k for k in first if first[k] != other[k] and None not in (first[k], other[k])]  # None: not given
+        if differ:
+            detail = ", ".join(f"{k}: {first[k]!r} (replica 0) vs {other[k]!r} (replica {i})" for k in differ)
+            raise RuntimeError(
+                f"Tried to create variable {kwargs['name']} with mismatching {differ[0]} on device {i} ({detail}). "
+                "Inside strategy.run every replica must create the same variables in the same order: the first "
+                "replica creates each one and the others get it.")
+
+
+_UNIQUIFIED_SCOPE = re.compile(r"_\d/")
+_UNIQUIFIED_END = re.compile(r"_\d$")
+
+
+def _canonical_name(name: str | None) -> str:
+    """``name`` without the ``_<digit>`` suffixes name uniquification adds (TF's shared creator matches on it)."""
+    if name is None:
+        return "Variable"
+    return _UNIQUIFIED_END.sub("", _UNIQUIFIED_SCOPE.sub("/", name))
+
+
+def _creation_signature(kwargs: dict) -> dict:
+    initial = kwargs["initial_value"]
+    shape = kwargs["shape"]
+    if shape is None and initial is not None and not callable(initial):
+        shape = np.shape(initial)
+    return {"name": _canonical_name(kwargs["name"]), "shape": None if shape is None else tuple(shape),
+            "dtype": None if kwargs["dtype"] is None else np.dtype(getattr(kwargs["dtype"], "name", kwargs["dtype"])),
+            "synchronization": kwargs["synchronization"], "aggregation": kwargs["aggregation"],
+            "trainable": kwargs["trainable"]}
 
 
 class Variable(BaseVariable, metaclass=_VariableMeta):
@@ -242,8 +269,10 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
     def __init__(self, initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
                  dtype: Any = None, synchronization: VariableSynchronization = VariableSynchronization.AUTO,
                  aggregation: VariableAggregation = VariableAggregation.NONE, shape: Any = None,
+                 constraint: Callable[[Any], Any] | None = None,
                  *, _device: str | None = None, _array: Any = None):
-        kwargs = _bind_variable_args(initial_value, trainable, name, dtype, synchronization, aggregation, shape)
+        kwargs = _bind_variable_args(initial_value, trainable, name, dtype, synchronization, aggregation, shape,
+                                     constraint)
         sync, agg, trainable = _validate(kwargs)
         strategy = context.get_strategy()
         device = _device or strategy.extended._local_devices[0]
@@ -255,6 +284,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         self._trainable = trainable
         self._synchronization = sync
         self._aggregation = agg
+        self._constraint = constraint
         self._distribute_strategy = strategy
         self._distributed_container = None
         if shape is not None and tuple(shape) != tuple(self._array.shape):
@@ -290,9 +320,25 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
     def aggregation(self) -> VariableAggregation:
         return self._aggregation
 
+    @property
+    def constraint(self) -> Callable[[Any], Any] | None:
+        """The projection an optimizer applies after each update (``assign`` does not), or None."""
+        return self._constraint
+
     def value(self) -> Any:
         """The current array: a snapshot (later assignments replace, not modify, it), read-only for NumPy."""
         return self._array
+
+    def __deepcopy__(self, memo: dict) -> "Variable":
+        """A new variable with this one's value, name, settings and strategy, on the same device (as TF)."""
+        with dev.device_scope(self._device) if self._on_gpu else _NO_SCOPE:
+            array = self._array.copy()
+        copied = Variable(trainable=self._trainable, name=self._name, synchronization=self._synchronization,
+                          aggregation=self._aggregation, constraint=self._constraint, _device=self._device,
+                          _array=array)
+        copied._distribute_strategy = self._distribute_strategy
+        memo[id(self)] = copied
+        return copied
 
     def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
         value = _operand(value)  # another variable: its value here (its copy for this replica or update)
@@ -375,6 +421,24 @@ class DistributedVariable(BaseVariable, DistributedValues):
     def aggregation(self) -> VariableAggregation:
         return self._aggregation
 
+    @property
+    def constraint(self) -> Callable[[Any], Any] | None:
+        """The copies' constraint (see ``Variable.constraint``)."""
+        return self._values[0].constraint
+
+    def __deepcopy__(self, memo: dict) -> "DistributedVariable":
+        """A new distributed variable of the same class, aggregation and strategy, with copies of the values.
+
+        As TF (values.py ``DistributedVariable.__deepcopy__``), only inside
+        this variable's strategy, or with no strategy in scope.
+        """
+        self._in_this_strategy()
+        components = [copy.deepcopy(c, memo) for c in self._values]
+        copied = type(self)(self._strategy, components, self._name, self._trainable, self._synchronization,
+                            self._aggregation)
+        memo[id(self)] = copied
+        return copied
+
     def _devices(self) -> tuple[str, ...]:
         return tuple(c.device for c in self._values)
 
@@ -402,6 +466,11 @@ class DistributedVariable(BaseVariable, DistributedValues):
     def primary(self) -> Variable:
         """The first local copy."""
         return self._values[0]
+
+    def _get(self) -> Variable:
+        """The copy that stands for the variable here (attributes the variable lacks are looked up on it)."""
+        comp = self._local_component()
+        return comp if comp is not None else self._values[0]
 
     def _in_this_strategy(self) -> None:
         if context.has_strategy() and context.get_strategy() is not self._strategy:
@@ -529,7 +598,7 @@ def create_for_strategy(strategy: Any, kwargs: dict) -> DistributedVariable:
     host = ext._broadcast_initial_values([host])[0]
     components = [
         Variable(trainable=trainable, name=name, synchronization=sync, aggregation=agg,
-                 _device=d, _array=dev.to_device(host, d, copy=True))
+                 constraint=kwargs["constraint"], _device=d, _array=dev.to_device(host, d, copy=True))
         for d in devices
     ]
     cls = SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable

@@ -141,6 +141,9 @@ class Optimizer:
             strategy.extended.update(
                 v, lambda copy, grad: self._update_step(copy, dev.to_device(grad, copy.device), slots, coefficients),
                 args=(g,), group=False)
+        for v in var_list:  # as Keras: each variable's constraint projects it after the update (assign does not)
+            if v.constraint is not None:
+                strategy.extended.update(v, lambda copy: copy.assign(copy.constraint(copy.value())), group=False)
         self._iterations.assign_add(1)
         return self._iterations
 
