@@ -11,23 +11,21 @@ import contextlib
 import json
 import os
 import re
-import tempfile
-import zipfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from mpistrat.distribute import context
+from mpistrat.train.checkpoint_file import (
+    CheckpointError,
+    check_variables,
+    fsync_directory,
+    read_file,
+    write_file,
+)
 
-__all__ = ["Checkpoint", "CheckpointManager", "CheckpointError", "latest_checkpoint"]
-
-_FORMAT = "mpistrat-checkpoint"
-_VERSION = 1
-_MANIFEST_KEY = "__manifest__"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, corrupt, or does not match the live variables."""
+__all__ = ["Checkpoint", "CheckpointError", "CheckpointManager", "latest_checkpoint"]
 
 
 def _is_variable(x: Any) -> bool:
@@ -55,25 +53,26 @@ def _collect(prefix: str, obj: Any, out: dict) -> None:
                         "variables, or an object with a `variables` attribute")
 
 
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _status(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def _broadcast_json(comm: Any, value: Any) -> Any:
-    """The chief's JSON-serialisable ``value`` on every rank, sent as raw UTF-8 bytes (no pickle)."""
-    data = json.dumps(value).encode() if comm.rank == 0 else b""
-    (size,) = comm.broadcast([np.array([len(data)], dtype=np.int64)], root=0)
-    buffer = np.frombuffer(data, dtype=np.uint8) if comm.rank == 0 else np.empty(int(size[0]), dtype=np.uint8)
-    (received,) = comm.broadcast([buffer], root=0)
+def _broadcast_json(comm: Any, value: Any, root: int = 0) -> Any:
+    """``root``'s JSON-serialisable ``value`` on every rank, sent as raw UTF-8 bytes (no pickle)."""
+    data = json.dumps(value).encode() if comm.rank == root else b""
+    (size,) = comm.broadcast([np.array([len(data)], dtype=np.int64)], root=root)
+    buffer = np.frombuffer(data, dtype=np.uint8) if comm.rank == root else np.empty(int(size[0]), dtype=np.uint8)
+    (received,) = comm.broadcast([buffer], root=root)
     return json.loads(received.tobytes().decode())
+
+
+def _agree(comm: Any, error: CheckpointError | None) -> None:
+    """Raise the error of the lowest rank that has one, with its message, on every rank (collective)."""
+    if comm is None:
+        if error is not None:
+            raise error
+        return
+    failed = np.flatnonzero(comm.step_agreement(0 if error is None else 1))
+    if failed.size:
+        root = int(failed[0])
+        message = _broadcast_json(comm, str(error) if comm.rank == root else None, root=root)
+        raise CheckpointError(message) from (error if comm.rank == root else None)
 
 
 class Checkpoint:
@@ -91,13 +90,14 @@ class Checkpoint:
     alone writes a temporary file in the target directory, fsyncs it, renames
     it into place and fsyncs the directory, so a crash at any point leaves
     either the old set of checkpoints or the new one, never a partial file
-    under a checkpoint's name. Restoring is collective too: the chief reads
-    the file with ``np.load(allow_pickle=False)`` (no code execution), checks
-    it against the manifest, broadcasts the manifest (JSON bytes) and the
-    arrays as raw buffers (nothing is pickled, on disk or between ranks), and
-    every rank verifies names, shapes and dtypes against its live variables
-    before assigning. Any problem raises the same :class:`CheckpointError`,
-    naming the file, on every rank.
+    under a checkpoint's name. Restoring is collective too: the chief checks
+    the manifest and every member's declared size and ``.npy`` header
+    against its live variables before reading any data, then reads the data
+    in bounded chunks (:mod:`mpistrat.train.checkpoint_file`; nothing is
+    unpickled), broadcasts the manifest (JSON bytes) and the arrays as raw
+    buffers, and every other rank checks names, shapes and dtypes against
+    its own live variables before assigning. Any problem raises the same
+    :class:`CheckpointError`, naming the file, on every rank.
     """
 
     def __init__(self, **objects: Any):
@@ -135,16 +135,6 @@ class Checkpoint:
             with strategy.scope():
                 yield
 
-    def _agree(self, comm: Any, error: BaseException | None) -> None:
-        """Raise the chief's error (if any) on every rank."""
-        message = _status(error)
-        if comm is not None:
-            message = _broadcast_json(comm, message)
-        if message is not None:
-            if error is not None and comm is None:
-                raise error
-            raise CheckpointError(message)
-
     # -- save ---------------------------------------------------------------------------
     def write(self, file_path: str, metadata: dict | None = None) -> str:
         """Save to exactly ``file_path`` (collective: call on every rank; the chief writes)."""
@@ -159,112 +149,52 @@ class Checkpoint:
         error = None
         if comm is None or comm.rank == 0:
             try:
-                _write_npz(file_path, list(variables), arrays, metadata or {})
+                write_file(file_path, list(variables), arrays, metadata or {})
                 if then is not None:
                     then(file_path)
-            except Exception as exc:  # reported on every rank below
+            except Exception as exc:  # noqa: BLE001 - any failure to write is reported on every rank below
                 error = CheckpointError(f"Could not write checkpoint {file_path!r}: {type(exc).__name__}: {exc}")
-        self._agree(comm, error)
+        _agree(comm, error)
         return file_path
 
     # -- restore ------------------------------------------------------------------------
     def restore(self, save_path: str) -> dict:
-        """Load ``save_path`` into the tracked variables on every rank; returns the saved metadata."""
+        """Load ``save_path`` into the tracked variables on every rank; returns the saved metadata.
+
+        The chief checks the file's manifest and member headers against its
+        live variables before reading any data; every other rank checks the
+        chief's manifest against its own. A failure anywhere raises the same
+        CheckpointError on every rank and changes no variable.
+        """
         save_path = os.fspath(save_path)
         variables = self.variables()
         strategy, comm = self._strategy_and_comm(variables)
+        expected = {name: (tuple(var.shape), np.dtype(var.dtype)) for name, var in variables.items()}
         manifest, arrays, error = None, None, None
         if comm is None or comm.rank == 0:
             try:
-                manifest, arrays = _read_npz(save_path)
+                manifest, arrays = read_file(save_path, expected)
             except CheckpointError as exc:
                 error = exc
-        self._agree(comm, error)
+        _agree(comm, error)
         if comm is not None:
             manifest = _broadcast_json(comm, manifest)
-        _verify(save_path, manifest, variables)
-        if comm is not None:
             if comm.rank != 0:
-                arrays = [np.empty(tuple(e["shape"]), np.dtype(e["dtype"])) for e in manifest["variables"]]
+                try:
+                    check_variables(save_path, manifest, expected, rank=comm.rank)
+                except CheckpointError as exc:
+                    error = exc
+            _agree(comm, error)
+            if comm.rank != 0:
+                arrays = [np.empty(*expected[e["name"]]) for e in manifest["variables"]]
             arrays = comm.broadcast(arrays, root=0)
         by_name = {e["name"]: a for e, a in zip(manifest["variables"], arrays)}
         with self._cross_replica(strategy):
             for name, var in variables.items():
                 var.assign(by_name[name])
-        return dict(manifest.get("metadata", {}))
+        return dict(manifest["metadata"])
 
     read = restore
-
-
-def _write_npz(path: str, names: list, arrays: list, metadata: dict) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    manifest = {
-        "format": _FORMAT, "version": _VERSION, "metadata": metadata,
-        "variables": [{"name": n, "shape": list(a.shape), "dtype": a.dtype.str} for n, a in zip(names, arrays)],
-    }
-    members = {f"v{i}": a for i, a in enumerate(arrays)}
-    members[_MANIFEST_KEY] = np.frombuffer(json.dumps(manifest).encode(), dtype=np.uint8)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **members)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
-
-
-def _read_npz(path: str) -> tuple[dict, list]:
-    """The manifest and arrays of a checkpoint file; CheckpointError naming the file otherwise."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"Checkpoint file {path!r} does not exist")
-    try:
-        with open(path, "rb") as f, np.load(f, allow_pickle=False) as npz:  # f closes even if np.load fails
-            if _MANIFEST_KEY not in npz.files:
-                raise CheckpointError(f"Checkpoint file {path!r} has no manifest: not an mpistrat checkpoint")
-            manifest = json.loads(bytes(npz[_MANIFEST_KEY]).decode())
-            if manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
-                raise CheckpointError(f"Checkpoint file {path!r} has format {manifest.get('format')!r} version "
-                                      f"{manifest.get('version')!r}; expected {_FORMAT!r} version {_VERSION}")
-            arrays = []
-            for i, entry in enumerate(manifest["variables"]):
-                arr = npz[f"v{i}"]
-                if list(arr.shape) != list(entry["shape"]) or arr.dtype.str != entry["dtype"]:
-                    raise CheckpointError(
-                        f"Checkpoint file {path!r} is inconsistent: {entry['name']!r} is stored with shape "
-                        f"{arr.shape} dtype {arr.dtype} but its manifest says {tuple(entry['shape'])} {entry['dtype']}")
-                arrays.append(arr)
-    except CheckpointError:
-        raise
-    except (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError, UnicodeDecodeError, TypeError) as exc:
-        raise CheckpointError(f"Checkpoint file {path!r} is corrupt or truncated: {type(exc).__name__}: {exc}") from None
-    return manifest, arrays
-
-
-def _verify(path: str, manifest: dict, variables: dict) -> None:
-    saved = {e["name"]: e for e in manifest["variables"]}
-    missing = [n for n in variables if n not in saved]
-    unexpected = [n for n in saved if n not in variables]
-    problems = []
-    if missing:
-        problems.append(f"missing from the file: {missing}")
-    if unexpected:
-        problems.append(f"in the file but not among the live variables: {unexpected}")
-    for name, var in variables.items():
-        entry = saved.get(name)
-        if entry is None:
-            continue
-        shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
-        if shape != tuple(var.shape) or dtype != np.dtype(var.dtype):
-            problems.append(f"{name!r}: saved shape {shape} dtype {dtype.name}, live shape {tuple(var.shape)} "
-                            f"dtype {np.dtype(var.dtype).name}")
-    if problems:
-        raise CheckpointError(f"Checkpoint file {path!r} does not match the live variables: " + "; ".join(problems))
 
 
 def _numbered(directory: str, name: str) -> list[tuple[int, str]]:
@@ -273,6 +203,11 @@ def _numbered(directory: str, name: str) -> list[tuple[int, str]]:
         entries = os.listdir(directory)
     except FileNotFoundError:
         return []
+    except NotADirectoryError:
+        raise CheckpointError(f"Checkpoint directory {directory!r} is a file, not a directory") from None
+    except OSError as exc:
+        raise CheckpointError(f"Checkpoint directory {directory!r} cannot be listed: {type(exc).__name__}: "
+                              f"{exc}") from None
     found = [(int(m.group(1)), os.path.join(directory, e)) for e in entries if (m := pattern.match(e))]
     return sorted(found)
 
@@ -332,14 +267,24 @@ class CheckpointManager:
             if entry.startswith(f".{self.checkpoint_name}-") and entry.endswith(".tmp"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.directory, entry))
-        _fsync_directory(self.directory)
+        fsync_directory(self.directory)
 
     def _chief_view(self, fn: Any) -> Any:
-        """``fn()`` as the chief sees the directory (other ranks may not share its file system)."""
+        """``fn()`` as the chief sees the directory (other ranks may not share its file system).
+
+        A CheckpointError from ``fn`` on the chief is raised on every rank.
+        """
         _, comm = self.checkpoint._strategy_and_comm(self.checkpoint.variables())
         if comm is None:
             return fn()
-        return _broadcast_json(comm, fn() if comm.rank == 0 else None)
+        value, error = None, None
+        if comm.rank == 0:
+            try:
+                value = fn()
+            except CheckpointError as exc:
+                error = exc
+        _agree(comm, error)
+        return _broadcast_json(comm, value)
 
     def restore_or_initialize(self) -> str | None:
         """Restore the latest checkpoint if there is one (collective); returns its path or None."""
