@@ -6,14 +6,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mpistrat import nest
+from mpistrat import arrays, nest
 from mpistrat.data.spec import to_numpy_leaf
 
 __all__ = ["normalize_element", "stack_elements", "slice_element", "element_length"]
 
 
 def normalize_element(x: Any) -> Any:
-    """Lists become arrays (as tf.data does); tuples and dicts stay structures; numbers become NumPy."""
+    """Lists become arrays (as tf.data does); tuples and dicts stay structures; numbers become NumPy.
+
+    Arrays from other libraries are converted once (``arrays.as_array``: NumPy, or CuPy for GPU
+    memory; native byte order); strings and objects stay, as dataset elements may carry them.
+    """
     if isinstance(x, list):
         return np.asarray(x)
     if isinstance(x, dict):
@@ -23,7 +27,9 @@ def normalize_element(x: Any) -> Any:
     if isinstance(x, tuple):
         items = [normalize_element(v) for v in x]
         return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
-    return to_numpy_leaf(x)
+    if isinstance(x, (bytes, str)):
+        return x
+    return to_numpy_leaf(arrays.as_array(x, what="dataset element", numeric=False))
 
 
 def _stack_leaf(values: list, position: int) -> np.ndarray:

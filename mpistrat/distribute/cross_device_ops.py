@@ -10,8 +10,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from mpistrat import arrays, config, ops
 from mpistrat import devices as dev
-from mpistrat import config, ops
 from mpistrat.distribute.values import DistributedValues, Mirrored
 from mpistrat.ops import ReduceOp
 
@@ -22,14 +22,9 @@ CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
 _NDARRAY_ONLY = {np.ndarray}
 
 
-def _as_array(value: Any, device: str | None = None) -> Any:
-    if type(value) is np.ndarray and device is None:
-        return value
-    if device is not None:
-        return dev.to_device(value, device)
-    if hasattr(value, "__array_namespace__") or hasattr(value, "__cuda_array_interface__"):
-        return value
-    return np.asarray(value)
+def _as_array(value: Any) -> Any:
+    """A leaf converted by ``arrays.as_arrays`` as an array: numbers become 0-d NumPy arrays."""
+    return value if isinstance(value, np.ndarray) or dev.is_cupy_array(value) else np.asarray(value)
 
 
 def _divide(array: Any, n: int) -> Any:
@@ -142,6 +137,7 @@ class CrossDeviceOps:
         num_leaves = len(per_replica_leaves[0]) if num_local else 0
         if num_leaves == 0:
             return [[] for _ in range(num_local)]
+        per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
         reduced = self._reduce_to_one(reduce_op, per_replica_leaves, devices, options)
         if num_local == 1:
             return [list(reduced)]
@@ -170,10 +166,11 @@ class CrossDeviceOps:
         num_local = len(local[0])
         if any(len(x) != num_local for x in local):
             raise ValueError("All values in batch_reduce must have the same number of local replicas")
+        per_replica = [arrays.as_arrays([local[k][i] for k in range(len(values))], what="reduce")
+                       for i in range(num_local)]
         source_devices = (list(replica_devices) if replica_devices is not None and len(replica_devices) == num_local
-                          else [dev.device_of(x) for x in local[0]])
+                          else [dev.device_of(leaves[0]) for leaves in per_replica])
         # Reduce everything onto the first replica's device, then place on the destinations.
-        per_replica = [[local[k][i] for k in range(len(values))] for i in range(num_local)]
         reduced = self._reduce_to_one(reduce_op, per_replica, source_devices, options)
         return [self._place(r, destination_devices(d)) for r, (_, d) in zip(reduced, value_destination_pairs)]
 
@@ -194,6 +191,7 @@ class CrossDeviceOps:
             raise FloatingPointError(f"NaN or Inf in all-reduce input ({CHECK_NUMERICS_ENV} is on): {detail}")
 
     def _reduce_to_one(self, reduce_op: Any, per_replica: list[list], devices: Sequence[str], options: Any) -> list:
+        """Every replica's leaves (converted by ``arrays.as_arrays``) reduced over all replicas, on one device."""
         op = ReduceOp.from_string(reduce_op)
         num_local = len(per_replica)
         if self.check_numerics:
@@ -221,7 +219,7 @@ class CrossDeviceOps:
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copy ``tensor`` to every destination device (a Mirrored when several)."""
-        return self._place(tensor, destination_devices(destinations))
+        return self._place(arrays.as_array(tensor, what="broadcast"), destination_devices(destinations))
 
 
 class ReductionToOneDevice(CrossDeviceOps):

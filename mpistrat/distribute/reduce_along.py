@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mpistrat import arrays
 from mpistrat import devices as dev
 from mpistrat.distribute.values import ReduceOp
 
@@ -29,8 +30,7 @@ def normalize_axis(axis: "int | Sequence[int]", ndim: int) -> tuple[int, ...]:
 
 def reduce_along(op: ReduceOp, x: Any, axis: "int | Sequence[int]") -> Any:
     """Reduce ``x`` along ``axis`` with SUM, MIN or MAX (an empty axis gives MIN/MAX's identity)."""
-    xp = dev.array_module(dev.device_of(x))
-    x = xp.asarray(x)
+    x, xp = _array_and_module(x)
     axes = normalize_axis(axis, x.ndim)
     if op is ReduceOp.SUM:
         return x.sum(axis=axes)
@@ -47,9 +47,15 @@ def reduce_along(op: ReduceOp, x: Any, axis: "int | Sequence[int]") -> Any:
 
 def sum_and_count(x: Any, axis: "int | Sequence[int]") -> tuple:
     """``x``'s sum along ``axis`` and the number of elements summed (for a global MEAN)."""
-    xp = dev.array_module(dev.device_of(x))
-    x = xp.asarray(x)
+    x, xp = _array_and_module(x)
     axes = normalize_axis(axis, x.ndim)
     total = x.sum(axis=axes)
     count = int(np.prod([x.shape[a] for a in axes]))
     return total, xp.asarray(count, dtype=total.dtype if total.dtype.kind in "fc" else np.float64)
+
+
+def _array_and_module(x: Any) -> tuple[Any, Any]:
+    """A replica's value as an array (converted once, ``arrays.as_array``) and its array module."""
+    x = arrays.as_array(x, what="reduce")
+    xp = dev.array_module(dev.device_of(x))
+    return xp.asarray(x), xp

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from mpistrat import nest, timeline
+from mpistrat import arrays, nest, timeline
 from mpistrat.distribute import context
 from mpistrat import devices as dev
 from mpistrat.distribute.context import Frame
@@ -267,6 +267,8 @@ class StrategyExtended:
             return "reduce", comps
         if getattr(value, "_is_variable", False):  # a plain variable: its value, not its storage
             value = _copy_if_variable(value, value.value())
+        else:
+            value = arrays.as_array(value, what="reduce")
         if self._num_workers > 1 and self._num_local == 1:
             return "reduce", (value,)
         if op is ReduceOp.SUM:
@@ -324,7 +326,7 @@ class StrategyExtended:
 
     def _gather_leaf(self, local_values_: Sequence[Any], axis: int, options: Any) -> Any:
         """Concatenate local replicas' values along ``axis`` and all-gather across ranks (on the host)."""
-        host = [dev.to_device(v, self._host_device) for v in local_values_]
+        host = [dev.to_device(arrays.as_array(v, what="gather"), self._host_device) for v in local_values_]
         for h in host:
             if h.ndim == 0:
                 raise ValueError("gather/all_gather needs arrays with at least one dimension; got a scalar")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mpistrat.distribute import context
+from mpistrat import arrays
 from mpistrat import devices as dev
 from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, ValueOperators
 
@@ -131,12 +132,12 @@ class BaseVariable(_Operators):
 def _default_dtype(initial: Any, dtype: Any) -> np.dtype | None:
     if dtype is not None:
         return np.dtype(getattr(dtype, "name", dtype)) if not isinstance(dtype, np.dtype) else dtype
-    if hasattr(initial, "dtype"):
-        return None
+    if isinstance(initial, np.generic) or not isinstance(initial, (int, float, complex, list, tuple)):
+        return None  # an array (of any library) keeps its dtype
     probe = np.asarray(initial)
     if probe.dtype == np.float64:
         return np.dtype(np.float32)  # Python floats become float32, as in TensorFlow
-    if probe.dtype == np.int64 and not isinstance(initial, np.integer):
+    if probe.dtype == np.int64:
         return np.dtype(np.int32)
     return None
 
@@ -157,7 +158,7 @@ def _initial_array(initial_value: Any, dtype: Any, device: str) -> Any:
     target = _default_dtype(initial_value, dtype)
     xp = dev.array_module(device)
     with dev.device_scope(device):
-        arr = dev.to_device(initial_value, device, copy=True)
+        arr = dev.to_device(arrays.as_array(initial_value, what="Variable initial_value"), device, copy=True)
         return arr if target is None or arr.dtype == target else xp.asarray(arr, dtype=target)
 
 
@@ -347,6 +348,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
                 f"Cannot assign a {type(value).__name__} to variable {self._name}, which holds a single value; "
                 "reduce it first (strategy.reduce) or update it per replica with strategy.extended.update.")
         on_gpu = self._on_gpu
+        value = arrays.as_array(value, what=f"{method} to variable {self._name}")
         new = value if not on_gpu and type(value) is np.ndarray else dev.to_device(value, self._device)
         with (dev.device_scope(self._device) if on_gpu else _NO_SCOPE), self._update_lock:
             xp = dev.array_module(self._device) if on_gpu else np
@@ -515,6 +517,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             raise ValueError(
                 f"Cannot update MirroredVariable {self._name} in replica context with a {type(value).__name__}: "
                 "pass this replica's own value (strategy.run unwraps distributed arguments per replica).")
+        value = arrays.as_array(value, what=f"{method} to variable {self._name}")
         if self._aggregation is VariableAggregation.NONE:
             # As tf.distribute: only this replica's copy changes (keeping the copies equal is the caller's job).
             self._values[frame.replica_context._local_replica_id]._assign(method, value)
@@ -571,7 +574,7 @@ class SyncOnReadVariable(DistributedVariable):
                                  "aggregation is set to `VariableAggregation.SUM`.")
             # Preserve the sum: every copy holds value / num_replicas_in_sync.
             n = self._strategy.num_replicas_in_sync
-            value = dev.to_device(value, "/cpu:0")
+            value = dev.to_device(arrays.as_array(value, what=f"{method} to variable {self._name}"), "/cpu:0")
             value = np.asarray(value / n).astype(self.dtype)
         for c in self._values:
             c._assign(method, value)

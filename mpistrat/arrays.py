@@ -1,0 +1,125 @@
+"""Arrays from other libraries: the one conversion into NumPy or CuPy where user values enter mpistrat."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from mpistrat import devices as dev
+
+__all__ = ["as_array", "as_arrays"]
+
+# Every native-byte-order dtype mpistrat computes with: bool, integers, floating point, complex.
+_NATIVE_NUMERIC = frozenset(np.dtype(code) for code in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"])
+_NUMERIC_KINDS = frozenset("biufc")
+_PYTHON_SCALARS = (bool, int, float, complex)
+_NDARRAY_ONLY = {np.ndarray}
+_dtype_of = operator.attrgetter("dtype")
+
+# DLPack device types (dlpack.h DLDeviceType): memory NumPy reads, and GPU memory CuPy reads.
+_DLPACK_HOST = frozenset((1, 3, 11))  # kDLCPU, kDLCUDAHost, kDLROCMHost
+_DLPACK_GPU = frozenset((2, 10, 13))  # kDLCUDA, kDLROCM, kDLCUDAManaged
+_NUMPY_PROTOCOLS = ("__array__", "__array_interface__", "__array_struct__")
+
+
+def as_array(value: Any, *, what: str = "value", numeric: bool = True) -> Any:
+    """``value`` as an array mpistrat computes with: NumPy for host memory, CuPy for GPU memory.
+
+    NumPy and CuPy arrays, NumPy scalars and Python numbers are native and come back as they
+    are (a NumPy array in non-native byte order is converted to native order, as
+    ``tf.convert_to_tensor`` does). Objects from other libraries (JAX, PyTorch, ...) are
+    converted once, without a copy where the producer allows it, and the result may share
+    memory with ``value``:
+
+    - ``__cuda_array_interface__``, or ``__dlpack__`` on a CUDA/ROCm device: ``cupy.asarray``
+      or ``cupy.from_dlpack`` (a ``cupy.ndarray``; CuPy is optional and needed only here);
+    - ``__array__``, ``__array_interface__`` or ``__array_struct__``: ``numpy.asarray``;
+    - ``__dlpack__`` on the host: ``numpy.from_dlpack``;
+    - anything else (lists, ...): ``numpy.asarray``.
+
+    With ``numeric`` (the default) the result must hold bool, integer, floating-point or
+    complex values; strings, objects and other dtypes raise TypeError naming ``what``, the
+    value and its dtype. ``numeric=False`` keeps any dtype (dataset elements carry strings).
+    """
+    if type(value) is np.ndarray and value.dtype in _NATIVE_NUMERIC:  # the common case
+        return value
+    if isinstance(value, _PYTHON_SCALARS):
+        return value
+    if isinstance(value, (np.ndarray, np.generic)) or dev.is_cupy_array(value):
+        array = value
+    else:
+        array = _convert(value, what)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if numeric and array.dtype.kind not in _NUMERIC_KINDS:
+        raise TypeError(f"{what}: {_describe(value)} has dtype {array.dtype}, which is not numeric; mpistrat takes "
+                        "bool, integer, floating-point and complex arrays here")
+    return array
+
+
+def as_arrays(values: list, *, what: str = "value") -> list:
+    """``as_array`` of each item; ``values`` itself when every item is a native numeric NumPy array."""
+    if set(map(type, values)) <= _NDARRAY_ONLY and set(map(_dtype_of, values)) <= _NATIVE_NUMERIC:
+        return values
+    return [as_array(v, what=f"{what} (value #{j})" if len(values) > 1 else what) for j, v in enumerate(values)]
+
+
+def _convert(value: Any, what: str) -> Any:
+    """A foreign ``value`` as a NumPy or CuPy array (device memory first, then NumPy's protocols, then DLPack)."""
+    if isinstance(value, (list, tuple)):  # Python sequences: NumPy's own errors (ragged, mixed) are the clearest
+        return np.asarray(value)
+    if getattr(value, "__cuda_array_interface__", None) is not None:  # host tensors may raise AttributeError
+        return _to_cupy(value, what, "__cuda_array_interface__")
+    kind = type(value)
+    dlpack = hasattr(kind, "__dlpack__")
+    device_type = _dlpack_device_type(value, what) if dlpack else None
+    if device_type in _DLPACK_GPU:
+        return _to_cupy(value, what, "__dlpack__")
+    if dlpack and not any(hasattr(kind, p) for p in _NUMPY_PROTOCOLS):
+        if device_type is not None and device_type not in _DLPACK_HOST:
+            raise TypeError(f"{what}: {_describe(value)} lives on DLPack device type {device_type}, which is "
+                            "neither host nor CUDA/ROCm memory; copy it to the host first")
+        return _call(np.from_dlpack, value, what, "numpy.from_dlpack")
+    return _call(np.asarray, value, what, "numpy.asarray")
+
+
+def _dlpack_device_type(value: Any, what: str) -> int | None:
+    """The DLPack device type ``value`` reports (None when it has no ``__dlpack_device__``)."""
+    device = getattr(value, "__dlpack_device__", None)
+    if device is None:
+        return None
+    try:
+        return int(device()[0])
+    except Exception as exc:
+        raise TypeError(f"{what}: {_describe(value)}.__dlpack_device__() failed: {exc}") from exc
+
+
+def _to_cupy(value: Any, what: str, protocol: str) -> Any:
+    cupy = dev.cupy_or_none()
+    if cupy is None:
+        raise RuntimeError(f"{what}: {_describe(value)} is GPU memory ({protocol}) but CuPy is not installed or sees "
+                           "no GPU; install mpistrat[cuda12] or mpistrat[cuda13], or pass a host array")
+    convert = cupy.asarray if protocol == "__cuda_array_interface__" else cupy.from_dlpack
+    return _call(convert, value, what, f"cupy.{convert.__name__}")
+
+
+def _call(convert: Any, value: Any, what: str, name: str) -> Any:
+    try:
+        return convert(value)
+    except Exception as exc:  # the producer refused (a tensor that requires grad, an unsupported dtype, ...)
+        raise TypeError(f"{what}: cannot convert {_describe(value)} with {name}: {exc}") from exc
+
+
+def _describe(value: Any, limit: int = 80) -> str:
+    """``value``'s repr, shortened, with its type when the repr does not start with it."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split())
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    name = type(value).__name__
+    return text if text.startswith((name, "array(")) else f"{name} {text}"
