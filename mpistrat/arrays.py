@@ -9,7 +9,7 @@ import numpy as np
 
 from mpistrat import devices as dev
 
-__all__ = ["as_array", "as_arrays"]
+__all__ = ["as_array", "as_arrays", "python_default_dtype"]
 
 # Every native-byte-order dtype mpistrat computes with: bool, integers, floating point, complex.
 _NATIVE_NUMERIC = frozenset(np.dtype(code) for code in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"])
@@ -57,6 +57,21 @@ def as_array(value: Any, *, what: str = "value", numeric: bool = True) -> Any:
         raise TypeError(f"{what}: {_describe(value)} has dtype {array.dtype}, which is not numeric; mpistrat takes "
                         "bool, integer, floating-point and complex arrays here")
     return array
+
+
+def python_default_dtype(value: Any) -> np.dtype | None:
+    """The dtype ``tf.convert_to_tensor`` gives a Python number, list or tuple (float32, int32); None for arrays.
+
+    Arrays of any library, and NumPy scalars, keep their own dtype.
+    """
+    if isinstance(value, np.generic) or not isinstance(value, (int, float, complex, list, tuple)):
+        return None
+    probe = np.asarray(value).dtype
+    if probe == np.float64:
+        return np.dtype(np.float32)
+    if probe == np.int64:
+        return np.dtype(np.int32)
+    return None
 
 
 def as_arrays(values: list, *, what: str = "value") -> list:

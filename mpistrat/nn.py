@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from mpistrat import devices as dev
+from mpistrat.arrays import as_array, python_default_dtype
 from mpistrat.distribute import context
 from mpistrat.distribute.variables import BaseVariable
 
@@ -31,14 +32,14 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, globa
       A 0-d array (NumPy or CuPy, as the losses) of the losses' dtype
       (float64 for integer losses); zero when ``global_batch_size`` is zero.
     """
-    loss = _as_array(per_example_loss)
+    loss = _as_array(per_example_loss, "compute_average_loss: per_example_loss")
     input_dtype = loss.dtype
     if loss.ndim == 0:
         raise ValueError("Invalid value passed for `per_example_loss`. Expected a tensor with at least rank 1. "
                          f"Received per_example_loss={loss} with rank 0")
     xp = _array_module(loss)
     if sample_weight is not None:
-        weight = dev.to_device(_as_array(sample_weight), dev.device_of(loss))
+        weight = dev.to_device(_as_array(sample_weight, "compute_average_loss: sample_weight"), dev.device_of(loss))
         loss = _weighted(loss, weight).astype(input_dtype)
     if global_batch_size is None:
         if context.has_strategy() and context.in_cross_replica_context():
@@ -61,25 +62,21 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
     if context.has_strategy() and context.in_cross_replica_context():
         raise RuntimeError("You are calling `scale_regularization_loss` in cross replica context, while it was "
                            "expected to be called in replica context.")
-    loss = _as_array(regularization_loss)
+    loss = _as_array(regularization_loss, "scale_regularization_loss: regularization_loss")
     xp = _array_module(loss)
     return xp.asarray(xp.sum(loss) / context.get_strategy().num_replicas_in_sync)
 
 
-def _as_array(x: Any) -> Any:
+def _as_array(x: Any, what: str) -> Any:
     """``x`` as a NumPy or CuPy array: a variable's current value; Python numbers and lists as TF converts them
-    (float32, int32)."""
+    (float32, int32); arrays of other libraries through the one boundary conversion."""
     if isinstance(x, BaseVariable):
         x = x.value()
-    if isinstance(x, np.ndarray) or dev.is_cupy_array(x):
-        return x
-    arr = np.asarray(x)
-    if isinstance(x, (bool, int, float, list, tuple)) and not isinstance(x, np.generic):  # np.float64 is a float
-        if arr.dtype == np.float64:
-            return arr.astype(np.float32)
-        if arr.dtype == np.int64:
-            return arr.astype(np.int32)
-    return arr
+    default = python_default_dtype(x)
+    array = as_array(x, what=what)
+    if default is not None or isinstance(array, (bool, int, float, complex, np.generic)):
+        return np.asarray(array, dtype=default)  # numbers pass the boundary as they are
+    return array
 
 
 def _array_module(x: Any) -> Any:

@@ -134,3 +134,24 @@ def test_losses_may_be_variables():
         reg = ms.Variable(np.array([2.0, 4.0], np.float32))
     out = s.run(lambda: ms.nn.scale_regularization_loss(reg))
     assert [float(x) for x in s.experimental_local_results(out)] == [3.0, 3.0]
+
+
+def test_foreign_losses_pass_the_one_boundary_conversion():
+    """A DLPack-only loss and a big-endian one are read like NumPy (tf.convert_to_tensor converts both)."""
+
+    class DLPackOnly:  # only the DLPack protocol, as a minimal producer exposes
+        def __init__(self, a):
+            self._a = a
+
+        def __dlpack__(self, **kwargs):
+            return self._a.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    out = cal(DLPackOnly(L), global_batch_size=8)
+    assert out.dtype == np.float32 and float(out) == pytest.approx(10.0 / 8)
+    big = cal(L.astype(">f4"), global_batch_size=8)
+    assert big.dtype.isnative and float(big) == pytest.approx(10.0 / 8)
+    with pytest.raises(TypeError, match="per_example_loss"):
+        cal(np.array(["a", "b"]), global_batch_size=2)

@@ -130,3 +130,28 @@ def test_multi_worker_sums_over_ranks(comm):
     np.testing.assert_allclose(var.numpy(), -0.5 * total)
     values = comm.allgather(var.numpy())
     assert all(np.array_equal(v, values[0]) for v in values)
+
+
+def test_foreign_and_big_endian_gradients_are_converted_once():
+    """Gradients enter through the one boundary conversion (tf.convert_to_tensor in Keras's apply_gradients)."""
+
+    class DLPackOnly:
+        def __init__(self, a):
+            self._a = a
+
+        def __dlpack__(self, **kwargs):
+            return self._a.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    strategy = ms.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        a = ms.Variable(np.ones(3, np.float32), name="a")
+        b = ms.Variable(np.ones(3, np.float32), name="b")
+        opt = ms.optimizers.SGD(learning_rate=0.5)
+    opt.apply_gradients([(DLPackOnly(np.full(3, 2.0, np.float32)), a), (np.full(3, 4.0, ">f4"), b)])
+    np.testing.assert_array_equal(a.numpy(), np.zeros(3, np.float32))
+    np.testing.assert_array_equal(b.numpy(), np.full(3, -1.0, np.float32))
+    with pytest.raises(TypeError, match="gradient of a"):
+        opt.apply_gradients([(np.array(["x", "y", "z"]), a)])

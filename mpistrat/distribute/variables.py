@@ -132,14 +132,7 @@ class BaseVariable(_Operators):
 def _default_dtype(initial: Any, dtype: Any) -> np.dtype | None:
     if dtype is not None:
         return np.dtype(getattr(dtype, "name", dtype)) if not isinstance(dtype, np.dtype) else dtype
-    if isinstance(initial, np.generic) or not isinstance(initial, (int, float, complex, list, tuple)):
-        return None  # an array (of any library) keeps its dtype
-    probe = np.asarray(initial)
-    if probe.dtype == np.float64:
-        return np.dtype(np.float32)  # Python floats become float32, as in TensorFlow
-    if probe.dtype == np.int64:
-        return np.dtype(np.int32)
-    return None
+    return arrays.python_default_dtype(initial)
 
 
 def _frozen(array: Any) -> Any:

@@ -9,6 +9,7 @@ import numpy as np
 
 from mpistrat.distribute import context
 from mpistrat import devices as dev
+from mpistrat.arrays import as_array
 from mpistrat.distribute.values import DistributedValues, ReduceOp
 from mpistrat.distribute.variables import Variable
 
@@ -115,12 +116,14 @@ class Optimizer:
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise ValueError(f"Optimizer {self.name}: no gradients provided for any variable")
-        grads = [g for g, _ in pairs]
         var_list = [v for _, v in pairs]
-        for g, v in pairs:
+        for v in var_list:
             if not getattr(v, "_is_variable", False):
                 raise TypeError(f"Optimizer {self.name}: expected (gradient, variable) pairs, got a "
                                 f"{type(v).__name__} in the variable position")
+        grads = [g if isinstance(g, DistributedValues) else as_array(g, what=f"Optimizer {self.name}: gradient of {v.name}")
+                 for g, v in pairs]
+        for g, v in zip(grads, var_list):
             if not isinstance(g, DistributedValues) and tuple(np.shape(g)) != tuple(v.shape):
                 raise ValueError(f"Optimizer {self.name}: gradient of shape {tuple(np.shape(g))} does not match "
                                  f"variable {v.name} of shape {tuple(v.shape)}")
