@@ -275,16 +275,8 @@ def test_uneven_dataset_batches_multi_worker(input_type, drop_remainder, iterati
     assert_iteration(strategy, distribute(strategy, input_type, dataset_fn), expected, iteration_type)
 
 
-@tf_source("input_lib_test.py::DistributedIteratorTest::testUnevenDatasetBatchesMultiWorkerFourReplicas")
-@MPI
-@ITERATION
-@pytest.mark.parametrize("drop_remainder", [True, False])
-@pytest.mark.parametrize("input_type", [
-    pytest.param("dataset", marks=pytest.mark.xfail(strict=True, reason=BATCH_SPLITTING)),
-    "input_fn",
-])
-def test_uneven_dataset_batches_multi_worker_four_replicas(input_type, drop_remainder, iteration_type):
-    """Two workers with two replicas each, uneven data (TF's MWMS 2x2 case)."""
+def _uneven_four_replicas(input_type, drop_remainder):
+    """TF's dataset: range(15) in batches of 4 ("dataset"), or sharded per worker in batches of 1 ("input_fn")."""
     strategy = two_workers_two_cpus()
     worker_count, id_in_cluster = pair_comm().size, pair_comm().rank
 
@@ -294,16 +286,43 @@ def test_uneven_dataset_batches_multi_worker_four_replicas(input_type, drop_rema
             return dataset.shard(worker_count, id_in_cluster).batch(1)
         return dataset.batch(4, drop_remainder=drop_remainder)
 
-    if drop_remainder and input_type == "dataset":
-        if id_in_cluster == 0:
-            expected = [[[0], [2]], [[4], [6]], [[8], [10]]]
-        else:
-            expected = [[[1], [3]], [[5], [7]], [[9], [11]]]
+    return strategy, distribute(strategy, input_type, dataset_fn)
+
+
+@tf_source("input_lib_test.py::DistributedIteratorTest::testUnevenDatasetBatchesMultiWorkerFourReplicas")
+@MPI
+@ITERATION
+@pytest.mark.parametrize("drop_remainder", [True, False])
+@pytest.mark.parametrize("input_type", ["dataset", "input_fn"])
+def test_uneven_dataset_batches_multi_worker_four_replicas(input_type, drop_remainder, iteration_type):
+    """Two workers with two replicas each, uneven data (TF's MWMS 2x2 case). A batch of 4 goes to the global
+    replicas in order, rank 0's first (mpistrat's batch splitting, shared/DESIGN.md; TF's layout:
+    test_uneven_dataset_batches_four_replicas_tf_split)."""
+    strategy, dataset = _uneven_four_replicas(input_type, drop_remainder)
+    id_in_cluster = pair_comm().rank
+    if input_type == "dataset":
+        expected = [[[4 * i + 2 * id_in_cluster], [4 * i + 2 * id_in_cluster + 1]] for i in range(3)]
+        if not drop_remainder:
+            expected.append([[12], [13]] if id_in_cluster == 0 else [[14], []])
     elif id_in_cluster == 0:
         expected = [[[0], [2]], [[4], [6]], [[8], [10]], [[12], [14]]]
     else:
         expected = [[[1], [3]], [[5], [7]], [[9], [11]], [[13], []]]
-    assert_iteration(strategy, distribute(strategy, input_type, dataset_fn), expected, iteration_type)
+    assert_iteration(strategy, dataset, expected, iteration_type)
+
+
+@tf_source("input_lib_test.py::DistributedIteratorTest::testUnevenDatasetBatchesMultiWorkerFourReplicas")
+@MPI
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=BATCH_SPLITTING)
+@pytest.mark.parametrize("drop_remainder", [True, False])
+def test_uneven_dataset_batches_four_replicas_tf_split(drop_remainder):
+    """TF's values for a distributed dataset: worker w's replicas get the pieces w and w + 2 of each batch."""
+    strategy, dataset = _uneven_four_replicas("dataset", drop_remainder)
+    if pair_comm().rank == 0:
+        expected = [[[0], [2]], [[4], [6]], [[8], [10]]] + ([] if drop_remainder else [[[12], [14]]])
+    else:
+        expected = [[[1], [3]], [[5], [7]], [[9], [11]]] + ([] if drop_remainder else [[[13], []]])
+    assert as_lists([replicas(strategy, x) for x in dataset]) == expected
 
 
 @tf_source("input_lib_test.py::DistributedIteratorTest::testBatchSplitting")
@@ -435,16 +454,30 @@ def test_loop_over_dataset():
 
 
 # -- DistributedIteratorTensorTypeTest (its dense cases) ------------------------------------------------
-@tf_source("input_lib_test.py::DistributedIteratorTensorTypeTest::testMWMSPartialBatch")
-@MPI
-@pytest.mark.xfail(strict=True, reason=SHORT_BATCH)
-@ITERATION
-def test_mwms_partial_batch(iteration_type):
-    """AutoShardPolicy.OFF: each worker reads every batch of 8 and takes half of it per step."""
+def _partial_batch_off():
     strategy = two_workers_one_cpu()
     dataset = with_shard_policy(Dataset.range(12).batch(8), AutoShardPolicy.OFF)
-    expected = [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]]
-    assert_iteration(strategy, strategy.experimental_distribute_dataset(dataset), expected, iteration_type)
+    return strategy, strategy.experimental_distribute_dataset(dataset)
+
+
+@tf_source("input_lib_test.py::DistributedIteratorTensorTypeTest::testMWMSPartialBatch")
+@MPI
+@ITERATION
+def test_mwms_partial_batch(iteration_type):
+    """AutoShardPolicy.OFF: each worker reads every batch of 8 and takes half of it per step; the short last
+    batch of 4 is cut in halves too (mpistrat's batch splitting; TF's cut: test_mwms_partial_batch_tf_split)."""
+    strategy, dataset = _partial_batch_off()
+    expected = [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9]], [[10, 11]]]
+    assert_iteration(strategy, dataset, expected, iteration_type)
+
+
+@tf_source("input_lib_test.py::DistributedIteratorTensorTypeTest::testMWMSPartialBatch")
+@MPI
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SHORT_BATCH)
+def test_mwms_partial_batch_tf_split():
+    """TF's values: the short batch of 4 is one piece of the full batch's size."""
+    strategy, dataset = _partial_batch_off()
+    assert as_lists([replicas(strategy, x) for x in dataset]) == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]]
 
 
 @tf_source("input_lib_test.py::DistributedIteratorTensorTypeTest::testMWMSPartialBatchWithLegacyRebatch")

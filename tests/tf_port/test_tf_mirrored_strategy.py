@@ -70,17 +70,28 @@ def test_call_and_merge_exceptions(make_strategy: Callable[[], Any]) -> None:
     base.call_and_merge_exceptions(make_strategy())
 
 
+def _lists_of_replica_id_length() -> list:
+    return list(range(int(_replica_id())))
+
+
 @tf_source("mirrored_strategy_test.py::MirroredTwoDeviceDistributionTest::testRunRegroupError")
 def test_run_regroup_error() -> None:
-    """Replicas returning lists of different lengths cannot be regrouped: TF's regroup fails an assertion
-    (``AssertionError``, mirrored_strategy_test.py testRunRegroupError)."""
+    """Replicas returning lists of different lengths cannot be regrouped: mpistrat raises ValueError naming
+    each replica's structure (TF's AssertionError: test_run_regroup_error_tf_exception)."""
     strategy = two_devices()
+    with strategy.scope(), pytest.raises(ValueError, match=r"different structures: replica 0: \[\], replica 1: "):
+        strategy.extended.call_for_each_replica(_lists_of_replica_id_length)
 
-    def run_fn() -> list:
-        return list(range(int(_replica_id())))
 
+@tf_source("mirrored_strategy_test.py::MirroredTwoDeviceDistributionTest::testRunRegroupError")
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="deliberate difference: TF's regroup fails an `assert` (AssertionError); mpistrat raises "
+                          "a ValueError naming the structures that differ")
+def test_run_regroup_error_tf_exception() -> None:
+    """TF: ``with self.assertRaises(AssertionError)`` (mirrored_strategy_test.py testRunRegroupError)."""
+    strategy = two_devices()
     with strategy.scope(), pytest.raises(AssertionError):
-        strategy.extended.call_for_each_replica(run_fn)
+        strategy.extended.call_for_each_replica(_lists_of_replica_id_length)
 
 
 @tf_source("mirrored_strategy_test.py::MirroredTwoDeviceDistributionTest::testReduceToCpu")
@@ -181,21 +192,38 @@ def test_prefetch_to_host_dataset() -> None:
 # -- MirroredThreeDeviceDistributionTest ---------------------------------------------------------------------------
 
 
-@tf_source("mirrored_strategy_test.py::MirroredThreeDeviceDistributionTest::testThreeDevices")
-def test_three_devices() -> None:
-    """A variable created in the replica function of a three-replica strategy is one mirrored variable, named
-    as TF names it (``"foo:0"``). TF uses two GPUs and the CPU; three logical CPU devices here."""
-    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
-
+def _variable_in_three_replicas(strategy: Any) -> Any:
     def model_fn() -> Any:
         v = ms.Variable(1.0, name="foo")
         ms.get_replica_context().merge_call(lambda _: _)
         return v
 
+    return strategy.extended.call_for_each_replica(model_fn)
+
+
+@tf_source("mirrored_strategy_test.py::MirroredThreeDeviceDistributionTest::testThreeDevices")
+def test_three_devices() -> None:
+    """A variable created in the replica function of a three-replica strategy is one mirrored variable, named
+    ``"foo"`` (TF's ``"foo:0"``: test_three_devices_tf_name). TF uses two GPUs and the CPU; three logical CPU
+    devices here."""
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
     with strategy.scope():
-        result = strategy.extended.call_for_each_replica(model_fn)
+        result = _variable_in_three_replicas(strategy)
         assert isinstance(result, ms.MirroredVariable)  # distribute_utils.is_mirrored
-        assert result.name == "foo:0"
+        assert len(strategy.experimental_local_results(result)) == 3
+        assert result.name == "foo"
+
+
+@tf_source("mirrored_strategy_test.py::MirroredThreeDeviceDistributionTest::testThreeDevices")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="deliberate difference: TF's variable name is a graph tensor's name ('foo:0'); mpistrat's "
+                          "names carry no ':0', because names key checkpoints and the matching of variables "
+                          "created inside run")
+def test_three_devices_tf_name() -> None:
+    """TF: ``self.assertEqual("foo:0", result.name)``."""
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    with strategy.scope():
+        assert _variable_in_three_replicas(strategy).name == "foo:0"
 
 
 # -- MirroredVariableUpdateTest: assign, assign_add, assign_sub in replica and cross-replica context ---------------

@@ -4,8 +4,15 @@ TF runs ``MirroredVariableCreationTest`` with ``mirrored_strategy_with_gpu_and_c
 single-worker ``CollectiveAllReduceStrategy`` on two CPUs; here ``MirroredStrategy`` on two
 logical CPUs and ``MultiWorkerMirroredStrategy`` with two local CPUs per rank (under
 mpiexec each rank is a worker with two replicas; replica ids are global). Eager mode only.
-Variable names are TF's: a variable's ``name`` carries the output index (``"foo:0"``).
+
+Variable names differ deliberately: TF's ``v.name`` is a graph tensor's name with its output index
+(``"foo:0"``, unnamed ``"Variable:0"``); mpistrat's carry no ``:0`` and unnamed variables get unique
+names ``Variable_N``, because names key mpistrat's checkpoints and the matching of variables created
+inside ``run``. Each TF check of a name is a strict expected failure of its own (``*_tf_name``); the
+test beside it keeps the method's other checks and mpistrat's name.
 """
+
+import re
 
 import numpy as np
 import pytest
@@ -29,6 +36,12 @@ combinations = pytest.mark.parametrize("make", [
     pytest.param(mirrored_two_cpus, id="mirrored_2cpu"),
     pytest.param(collective_two_cpus, id="collective_2cpu", marks=pytest.mark.mpi(min_size=1)),
 ])
+tf_name = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="deliberate difference: TF's variable name is a graph tensor's name ('foo:0', unnamed 'Variable:0'); "
+           "mpistrat's names carry no ':0' and unnamed variables get unique names Variable_N, because names key "
+           "checkpoints and the matching of variables created inside run")
+UNIQUE_UNNAMED = re.compile(r"Variable_\d+")
 
 
 def _replica_id():
@@ -46,84 +59,142 @@ def _local_ids(strategy):
     return sorted(ids)
 
 
-def _test_mv_properties(var, name, strategy):
-    """TF's helper; the name is checked last, so that a wrong name is the only failure it can hide."""
+def _test_mv_properties(var, strategy):
+    """TF's helper without its name check (the name is checked apart: see the module docstring)."""
     assert isinstance(var, ms.MirroredVariable)
     assert var.distribute_strategy is strategy
     components = strategy.experimental_local_results(var)
     assert [c.device for c in components] == list(strategy.extended.worker_devices)
     for component in components:
         assert strategy.extended.variable_created_in_scope(component)
-    assert var.name == name
 
 
-@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testSingleVariable")
-@combinations
-def test_single_variable(make):
-    distribution = make()
-
+def _single_variable(distribution):
     def model_fn():
         # Created only once across the replica threads.
         v = ms.Variable(1.0, name="foo")
         _merge_noop()
         return v
 
+    return distribution.extended.call_for_each_replica(model_fn)
+
+
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testSingleVariable")
+@combinations
+def test_single_variable(make):
+    distribution = make()
     with distribution.scope():
-        result = distribution.extended.call_for_each_replica(model_fn)
-        _test_mv_properties(result, "foo:0", distribution)
+        result = _single_variable(distribution)
+        _test_mv_properties(result, distribution)
+        assert result.name == "foo"
+
+
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testSingleVariable")
+@tf_name
+@combinations
+def test_single_variable_tf_name(make):
+    distribution = make()
+    with distribution.scope():
+        assert _single_variable(distribution).name == "foo:0"
+
+
+def _unnamed_variable(distribution):
+    def model_fn():
+        v = ms.Variable(1.0)
+        _merge_noop()
+        return v
+
+    return distribution.extended.call_for_each_replica(model_fn)
 
 
 @tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testUnnamedVariable")
 @combinations
 def test_unnamed_variable(make):
     distribution = make()
-
-    def model_fn():
-        v = ms.Variable(1.0)
-        _merge_noop()
-        return v
-
     with distribution.scope():
-        result = distribution.extended.call_for_each_replica(model_fn)
-        _test_mv_properties(result, "Variable:0", distribution)
+        result = _unnamed_variable(distribution)
+        _test_mv_properties(result, distribution)
+        assert UNIQUE_UNNAMED.fullmatch(result.name), result.name
+        assert _unnamed_variable(distribution).name != result.name
+
+
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testUnnamedVariable")
+@tf_name
+@combinations
+def test_unnamed_variable_tf_name(make):
+    distribution = make()
+    with distribution.scope():
+        assert _unnamed_variable(distribution).name == "Variable:0"
+
+
+def _multiple_variables(distribution):
+    def model_fn():
+        vs = [ms.Variable(1.0, name="foo" + str(i)) for i in range(5)]
+        _merge_noop()
+        return vs
+
+    return distribution.extended.call_for_each_replica(model_fn)
 
 
 @tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testMultipleVariables")
 @combinations
 def test_multiple_variables(make):
     distribution = make()
-
-    def model_fn():
-        vs = [ms.Variable(1.0, name="foo" + str(i)) for i in range(5)]
-        _merge_noop()
-        return vs
-
     with distribution.scope():
-        result = distribution.extended.call_for_each_replica(model_fn)
+        result = _multiple_variables(distribution)
         for i, v in enumerate(result):
-            _test_mv_properties(v, "foo" + str(i) + ":0", distribution)
+            _test_mv_properties(v, distribution)
+            assert v.name == "foo" + str(i)
 
 
-@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testMultipleVariablesWithSameCanonicalName")
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testMultipleVariables")
+@tf_name
 @combinations
-def test_multiple_variables_with_same_canonical_name(make):
+def test_multiple_variables_tf_name(make):
     distribution = make()
+    with distribution.scope():
+        assert [v.name for v in _multiple_variables(distribution)] == ["foo" + str(i) + ":0" for i in range(5)]
 
+
+def _multiple_variables_with_same_canonical_name(distribution):
     def model_fn():
         vs = [ms.Variable(1.0, name="foo/bar"), ms.Variable(1.0, name="foo_1/bar"),
               ms.Variable(1.0, name="foo_1/bar_1"), ms.Variable(1.0, name="foo/bar_1")]
         _merge_noop()
         return vs
 
+    return distribution.extended.call_for_each_replica(model_fn)
+
+
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testMultipleVariablesWithSameCanonicalName")
+@combinations
+def test_multiple_variables_with_same_canonical_name(make):
+    distribution = make()
     with distribution.scope():
-        result = distribution.extended.call_for_each_replica(model_fn)
+        result = _multiple_variables_with_same_canonical_name(distribution)
         for v in result:
             assert isinstance(v, ms.MirroredVariable)
         assert len(result) == 4
-        assert result[0].name == "foo/bar:0"
-        assert result[1].name == "foo_1/bar:0"
-        assert result[2].name == "foo_1/bar_1:0"
-        assert result[3].name == "foo/bar_1:0"
+        assert [v.name for v in result] == ["foo/bar", "foo_1/bar", "foo_1/bar_1", "foo/bar_1"]
+
+
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testMultipleVariablesWithSameCanonicalName")
+@tf_name
+@combinations
+def test_multiple_variables_with_same_canonical_name_tf_name(make):
+    distribution = make()
+    with distribution.scope():
+        result = _multiple_variables_with_same_canonical_name(distribution)
+        assert [v.name for v in result] == ["foo/bar:0", "foo_1/bar:0", "foo_1/bar_1:0", "foo/bar_1:0"]
+
+
+def _variable_with_same_canonical_name_across_threads(distribution):
+    def model_fn():
+        v = ms.Variable(1.0, name="foo_" + str(_replica_id()))
+        _merge_noop()
+        return v
+
+    return distribution.extended.call_for_each_replica(model_fn)
 
 
 @tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testVariableWithSameCanonicalNameAcrossThreads")
@@ -131,26 +202,26 @@ def test_multiple_variables_with_same_canonical_name(make):
 def test_variable_with_same_canonical_name_across_threads(make):
     distribution = make()
     first = _local_ids(distribution)[0]
-
-    def model_fn():
-        v = ms.Variable(1.0, name="foo_" + str(_replica_id()))
-        _merge_noop()
-        return v
-
     with distribution.scope():
-        result = distribution.extended.call_for_each_replica(model_fn)
+        result = _variable_with_same_canonical_name_across_threads(distribution)
         assert isinstance(result, ms.MirroredVariable)
         # The resulting mirrored variable uses the name from the first device.
-        assert result.name == f"foo_{first}:0"
+        assert result.name == f"foo_{first}"
 
 
-@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testWithVariableAndVariableScope")
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testVariableWithSameCanonicalNameAcrossThreads")
+@tf_name
 @combinations
-def test_with_variable_and_variable_scope(make):
+def test_variable_with_same_canonical_name_across_threads_tf_name(make):
+    distribution = make()
+    first = _local_ids(distribution)[0]
+    with distribution.scope():
+        assert _variable_with_same_canonical_name_across_threads(distribution).name == f"foo_{first}:0"
+
+
+def _variables_and_variable_scope(distribution):
     """TF also opens ``variable_scope("common")`` (tf.compat.v1) around v1-v3, prefixing their names with
     ``common/``; mpistrat has no variable scopes, so the names here carry no prefix."""
-    distribution = make()
-
     def model_fn():
         v0 = ms.Variable(1.0, name="var0", aggregation=AGG.NONE)
         v1 = ms.Variable(1.0, name="var1")
@@ -160,9 +231,16 @@ def test_with_variable_and_variable_scope(make):
         v3 = ms.Variable(1.0, name="var3", synchronization=SYNC.ON_WRITE, aggregation=AGG.MEAN)
         return v0, v1, v2, v3
 
+    v = ms.Variable(1.0, name="var-main0")
+    return v, distribution.extended.call_for_each_replica(model_fn)
+
+
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testWithVariableAndVariableScope")
+@combinations
+def test_with_variable_and_variable_scope(make):
+    distribution = make()
     with distribution.scope():
-        v = ms.Variable(1.0, name="var-main0")
-        result = distribution.extended.call_for_each_replica(model_fn)
+        v, result = _variables_and_variable_scope(distribution)
         assert len(result) == 4
         v0, v1, v2, v3 = result
         assert isinstance(v0, ms.MirroredVariable)
@@ -171,65 +249,98 @@ def test_with_variable_and_variable_scope(make):
         assert v2.aggregation == AGG.SUM
         assert isinstance(v3, ms.MirroredVariable)
         assert v3.aggregation == AGG.MEAN
-        # The names last (see _test_mv_properties).
-        assert v.name == "var-main0:0"
-        assert [v0.name, v1.name, v2.name, v3.name] == ["var0:0", "var1:0", "var2:0", "var3:0"]
+        assert v.name == "var-main0"
+        assert [v0.name, v1.name, v2.name, v3.name] == ["var0", "var1", "var2", "var3"]
 
 
-@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testOnlyFirstReplicaUpdatesVariables")
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testWithVariableAndVariableScope")
+@tf_name
 @combinations
-def test_only_first_replica_updates_variables(make):
-    """TF's ``ONLY_FIRST_REPLICA`` takes this worker's first local replica: ``apply_aggregation`` broadcasts
-    ``experimental_local_results(value)[0]`` and a sync-on-read variable reads ``_get_replica(0)`` (values.py,
-    values_util.py). TF's test has one worker, whose first replica is replica 0; under mpiexec each rank is a
-    worker and its first replica is ``first`` below. TF's ``state_ops.assign_add(v, x)`` is ``v.assign_add(x)``."""
+def test_with_variable_and_variable_scope_tf_name(make):
     distribution = make()
-    first = _local_ids(distribution)[0]
+    with distribution.scope():
+        v, result = _variables_and_variable_scope(distribution)
+        assert [v.name] + [r.name for r in result] == ["var-main0:0", "var0:0", "var1:0", "var2:0", "var3:0"]
 
+
+def _only_first_replica_updates(distribution):
+    """TF's steps: create ``ONLY_FIRST_REPLICA`` variables, update them twice with per-replica values.
+
+    Returns what TF's test reads after each step: ``v0`` (sync-on-read) and ``v1`` (mirrored), each copy
+    of this worker and the cross-replica read (``read_var``). TF's ``state_ops.assign_add(v, x)`` is
+    ``v.assign_add(x)`` and reads the same.
+    """
     def create_fn():
         aggregation = AGG.ONLY_FIRST_REPLICA
         v0 = ms.Variable(2.0, name="on_read", synchronization=SYNC.ON_READ, aggregation=aggregation)
         v1 = ms.Variable(3.0, name="on_write", synchronization=SYNC.ON_WRITE, aggregation=aggregation)
         return v0, v1
 
-    def local(var):
-        return [float(c.numpy()) for c in distribution.experimental_local_results(var)]
+    def update_fn(scale0, scale1):
+        replica_id_plus_one = np.float32(_replica_id() + 1)
+        return v0.assign_add(scale0 * replica_id_plus_one), v1.assign_add(scale1 * replica_id_plus_one)
+
+    def observe():
+        def local(var):
+            return [float(c.numpy()) for c in distribution.experimental_local_results(var)]
+
+        return {"v0": local(v0), "v0_read": float(distribution.extended.read_var(v0)),
+                "v1": local(v1), "v1_read": float(distribution.extended.read_var(v1))}
 
     with distribution.scope():
         v0, v1 = distribution.extended.call_for_each_replica(create_fn)
-        assert local(v0) == [2.0, 2.0]
-        assert float(distribution.extended.read_var(v0)) == 2.0
-        assert local(v1) == [3.0, 3.0]
-        assert float(distribution.extended.read_var(v1)) == 3.0
+        steps = [observe()]
+        for scale0, scale1 in ((5.0, 7.0), (11.0, 13.0)):
+            distribution.extended.call_for_each_replica(update_fn, args=(scale0, scale1))
+            steps.append(observe())
+    return steps
 
-        def replica_id_plus_one():
-            return np.float32(_replica_id() + 1)
 
-        # Update using the assign_add member function.
-        def update_member_fn():
-            update0 = v0.assign_add(5.0 * replica_id_plus_one())
-            update1 = v1.assign_add(7.0 * replica_id_plus_one())
-            return update0, update1
-
-        distribution.extended.call_for_each_replica(update_member_fn)
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testOnlyFirstReplicaUpdatesVariables")
+@combinations
+def test_only_first_replica_updates_variables(make):
+    """A sync-on-read variable's copies each take their own replica's update; ``ONLY_FIRST_REPLICA`` reads and
+    updates use global replica 0's value on every worker, so mirrored copies stay identical across workers.
+    In one worker (TF's test) global replica 0 is this worker's first replica, as TF's rule has it
+    (``apply_aggregation`` broadcasts ``experimental_local_results(value)[0]``, a sync-on-read variable reads
+    ``_get_replica(0)``: values.py, values_util.py); with several workers test_only_first_replica_tf_workers."""
+    distribution = make()
+    first = _local_ids(distribution)[0]
+    steps = _only_first_replica_updates(distribution)
+    assert steps[0] == {"v0": [2.0, 2.0], "v0_read": 2.0, "v1": [3.0, 3.0], "v1_read": 3.0}
+    for step, (scale0, scale1) in zip(steps[1:], ((5.0, 7.0), (5.0 + 11.0, 7.0 + 13.0))):
         # Writes are not synchronized for "sync on read" variables, so each copy has its replica's update.
-        assert local(v0) == [2.0 + (first + 1) * 5.0, 2.0 + (first + 2) * 5.0]
-        # Always reads from the first device.
-        assert float(distribution.extended.read_var(v0)) == 2.0 + (first + 1) * 5.0
-        # Writes are synchronized for v1: only the argument to assign_add on the first device is used.
-        assert local(v1) == [3.0 + (first + 1) * 7.0] * 2
-        assert float(distribution.extended.read_var(v1)) == 3.0 + (first + 1) * 7.0
+        assert step["v0"] == [2.0 + (first + 1) * scale0, 2.0 + (first + 2) * scale0]
+        # Reads from global replica 0 (TF: the first device of this worker).
+        assert step["v0_read"] == 2.0 + 1 * scale0
+        # Writes are synchronized for v1: only global replica 0's argument to assign_add is used.
+        assert step["v1"] == [3.0 + 1 * scale1] * 2
+        assert step["v1_read"] == 3.0 + 1 * scale1
 
-        def update_again_fn():
-            update0 = v0.assign_add(11.0 * replica_id_plus_one())
-            update1 = v1.assign_add(13.0 * replica_id_plus_one())
-            return update0, update1
 
-        distribution.extended.call_for_each_replica(update_again_fn)
-        assert local(v0) == [2.0 + (first + 1) * (5.0 + 11.0), 2.0 + (first + 2) * (5.0 + 11.0)]
-        assert float(distribution.extended.read_var(v0)) == 2.0 + (first + 1) * (5.0 + 11.0)
-        assert local(v1) == [3.0 + (first + 1) * (7.0 + 13.0)] * 2
-        assert float(distribution.extended.read_var(v1)) == 3.0 + (first + 1) * (7.0 + 13.0)
+def _not_first_worker() -> bool:
+    """Whether this rank's first replica is not global replica 0 (for the xfail condition below)."""
+    from mpi4py import MPI as _MPI
+
+    return _MPI.COMM_WORLD.rank != 0
+
+
+@tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testOnlyFirstReplicaUpdatesVariables")
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.xfail(
+    condition="_not_first_worker()", strict=True, raises=AssertionError,
+    reason="deliberate difference: with several workers TF applies each worker's own first local replica's "
+           "value (a mirrored variable's copies then differ across workers); mpistrat applies global replica 0's "
+           "value on every worker, so mirrored copies stay identical")
+def test_only_first_replica_tf_workers():
+    """TF's values with several workers: each worker reads and applies its own first replica's value."""
+    distribution = collective_two_cpus()
+    first = _local_ids(distribution)[0]
+    steps = _only_first_replica_updates(distribution)
+    for step, (scale0, scale1) in zip(steps[1:], ((5.0, 7.0), (5.0 + 11.0, 7.0 + 13.0))):
+        assert step["v0_read"] == 2.0 + (first + 1) * scale0
+        assert step["v1"] == [3.0 + (first + 1) * scale1] * 2
+        assert step["v1_read"] == 3.0 + (first + 1) * scale1
 
 
 @tf_source("mirrored_variable_test.py::MirroredVariableCreationTest::testNoneSynchronizationWithVariable")

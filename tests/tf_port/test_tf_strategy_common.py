@@ -414,9 +414,9 @@ def test_cluster_resolver_property_single_worker(make_strategy):
 
 @tf_source("strategy_common_test.py::StrategyClusterResolverTest::testClusterResolverProperty")
 @MPI
-@pytest.mark.xfail(condition="_odd_pair_rank()", strict=True, reason=TASK_IDS)
 def test_cluster_resolver_property_multi_worker():
-    """A multi-worker strategy keeps its resolver, which describes the cluster and this task."""
+    """A multi-worker strategy keeps its resolver, which describes the cluster and this task: the pair's ranks
+    are tasks 0 and 1 of one job (TF's task ids: test_cluster_resolver_property_tf_task_id)."""
     strategy = two_workers_one_cpu()
     resolver = strategy.cluster_resolver
     assert resolver is not None
@@ -424,5 +424,13 @@ def test_cluster_resolver_property_multi_worker():
         assert strategy.cluster_resolver is resolver
     for name in ("cluster_spec", "master", "num_accelerators", "task_id", "task_type"):
         assert hasattr(resolver, name), name
-    assert resolver.task_id == 0
+    assert resolver.task_id == (1 if _odd_pair_rank() else 0)
     assert resolver.task_type in ("chief", "worker")
+
+
+@tf_source("strategy_common_test.py::StrategyClusterResolverTest::testClusterResolverProperty")
+@MPI
+@pytest.mark.xfail(condition="_odd_pair_rank()", strict=True, raises=AssertionError, reason=TASK_IDS)
+def test_cluster_resolver_property_tf_task_id():
+    """TF: ``self.assertEqual(resolver.task_id, 0)`` on both workers of its 2x1 cluster."""
+    assert two_workers_one_cpu().cluster_resolver.task_id == 0
