@@ -1,5 +1,6 @@
 """Strategy and value behaviours as TF 2.21 has them: nested reduce and local results, Mirrored as its value,
-namedtuple regrouping, TF's strategy-mixing checks and texts, ``ms.nn`` and ``ms.experimental``'s alias.
+namedtuple regrouping, TF's strategy-mixing checks and texts, ``ms.nn`` and ``ms.experimental``'s alias,
+deep copies of strategies and the synchronization a strategy's variables report.
 
 Each test states TensorFlow's behaviour and where TF documents or tests it;
 the cases were also run side by side with TF 2.21 (2 logical CPUs). MPI cases
@@ -7,6 +8,8 @@ run under ``mpiexec -n 2`` and ``-n 4`` (``--only-mpi``).
 """
 
 import collections
+import copy
+import threading
 
 import numpy as np
 import pytest
@@ -221,3 +224,111 @@ def test_experimental_multi_worker_alias():
     code = "import sys, mpistrat as ms; ms.experimental.MultiWorkerMirroredStrategy; print('mpi4py.MPI' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60).stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------
+# copy.deepcopy of a strategy. TF (distribute_lib.Strategy.__deepcopy__): a new strategy of the same class
+# whose extended is a deep copy of the original's, pointing back to the new strategy; the cross-device ops
+# are copied too. It is another strategy: entering its scope inside the original's raises "Mixing different
+# tf.distribute.Strategy objects", and so does updating the original's distributed variable in its scope.
+# copy.copy raises RuntimeError "Must only deepcopy DistributionStrategy." (Strategy.__copy__). TF 2.21 side by
+# side (MirroredStrategy on 2 logical CPUs, OneDeviceStrategy).
+@pytest.mark.parametrize("make_strategy", [lambda: make(2), lambda: make(1), lambda: ms.OneDeviceStrategy("/cpu:0")],
+                         ids=["mirrored2", "mirrored1", "one_device"])
+def test_deepcopy_of_a_strategy(make_strategy):
+    s = make_strategy()
+    with s.scope():
+        v = ms.Variable(1.0)
+    c = copy.deepcopy(s)
+    assert type(c) is type(s) and c is not s and c.extended is not s.extended
+    assert c.extended.worker_devices == s.extended.worker_devices and c.num_replicas_in_sync == s.num_replicas_in_sync
+    with c.scope():
+        assert ms.get_strategy() is c
+        w = ms.Variable(2.0)
+    assert c.extended.variable_created_in_scope(w) and not s.extended.variable_created_in_scope(w)
+    n = c.num_replicas_in_sync
+    assert list(c.experimental_local_results(c.run(rid))) == list(range(n))
+    assert float(c.reduce("sum", c.run(lambda: np.float32(rid() + 1)), axis=None)) == n * (n + 1) / 2
+    with s.scope(), pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+        with c.scope():
+            pass
+    if isinstance(v, ms.DistributedVariable):
+        with c.scope(), pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+            v.assign(2.0)
+    assert list(s.experimental_local_results(s.run(rid))) == list(range(n))  # the original still runs
+    with pytest.raises(RuntimeError, match="Must only deepcopy DistributionStrategy."):
+        copy.copy(s)
+
+
+def test_deepcopy_copies_the_cross_device_ops():
+    """TF copies them (an explicit ReductionToOneDevice comes back as another one); NCCL communicators belong to
+    one object, so a copied NcclAllReduce makes its own."""
+    s = ms.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ms.ReductionToOneDevice(reduce_to_device="/cpu:1"))
+    c = copy.deepcopy(s)
+    ops = c.extended._cross_device_ops
+    assert type(ops) is ms.ReductionToOneDevice and ops is not s.extended._cross_device_ops
+    assert ops.reduce_to_device == s.extended._cross_device_ops.reduce_to_device
+    assert float(c.reduce("mean", c.run(lambda: np.float32(rid())), axis=None)) == 0.5
+    nccl = ms.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ms.NcclAllReduce(num_packs=2))
+    nccl.extended._cross_device_ops._comms[(0, 1)] = threading.Lock()  # stands for NCCL communicators: no copy
+    ops = copy.deepcopy(nccl).extended._cross_device_ops
+    assert type(ops) is ms.NcclAllReduce and ops.num_packs == 2 and ops._comms == {}
+    assert (0, 1) in nccl.extended._cross_device_ops._comms
+
+
+def test_deepcopy_of_the_default_strategy_raises():
+    """TF: RuntimeError "Should only create a single instance of _DefaultDistributionStrategy"
+    (distribute_lib._DefaultDistributionStrategy.__deepcopy__)."""
+    with pytest.raises(RuntimeError, match="Should only create a single instance of _DefaultDistributionStrategy"):
+        copy.deepcopy(ms.get_strategy())
+
+
+@pytest.mark.mpi(min_size=1)
+def test_deepcopy_of_a_multi_worker_strategy_raises():
+    """TF: ValueError "MultiWorkerMirroredStrategy cannot be deep copied in eager mode."
+    (collective_all_reduce_strategy.CollectiveAllReduceExtended.__deepcopy__), at any number of workers."""
+    s = ms.MultiWorkerMirroredStrategy()
+    with pytest.raises(ValueError, match="MultiWorkerMirroredStrategy cannot be deep copied in eager mode."):
+        copy.deepcopy(s)
+    with pytest.raises(ValueError, match="spans MPI ranks and cannot be deep copied"):
+        copy.deepcopy(s.extended)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a variable made with the default synchronization (AUTO) reports. TF 2.21: a distributed variable
+# (MirroredStrategy, on one device too, and MultiWorkerMirroredStrategy) reports ON_WRITE, the variable and
+# each copy, also when made inside run (distribute_utils._validate_synchronization: "if synchronization ==
+# VariableSynchronization.AUTO: return VariableSynchronization.ON_WRITE"); under OneDeviceStrategy and the
+# default strategy a plain variable keeps AUTO. The aggregation is the one given (NONE by default); explicit
+# ON_WRITE/ON_READ are kept. TF 2.21 side by side (2 logical CPUs).
+@pytest.mark.parametrize("make_strategy, reported", [
+    (lambda: ms.get_strategy(), ms.VariableSynchronization.AUTO),
+    (lambda: ms.OneDeviceStrategy("/cpu:0"), ms.VariableSynchronization.AUTO),
+    (lambda: make(1), ms.VariableSynchronization.ON_WRITE),
+    (lambda: make(2), ms.VariableSynchronization.ON_WRITE),
+], ids=["default", "one_device", "mirrored1", "mirrored2"])
+def test_default_synchronization_reported(make_strategy, reported):
+    _check_default_synchronization(make_strategy(), reported)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_default_synchronization_reported_multi_worker():
+    _check_default_synchronization(ms.MultiWorkerMirroredStrategy(local_devices=["/cpu:0", "/cpu:1"]),
+                                   ms.VariableSynchronization.ON_WRITE)
+
+
+def _check_default_synchronization(strategy, reported):
+    sync, agg = ms.VariableSynchronization, ms.VariableAggregation
+    with strategy.scope():
+        v = ms.Variable(1.0)
+        summed = ms.Variable(1.0, aggregation=agg.SUM)
+        on_write = ms.Variable(1.0, synchronization=sync.ON_WRITE)
+        on_read = ms.Variable(1.0, synchronization=sync.ON_READ)
+    in_run = strategy.run(lambda: ms.Variable(1.0))
+    assert (v.synchronization, v.aggregation) == (reported, agg.NONE)
+    assert (summed.synchronization, summed.aggregation) == (reported, agg.SUM)
+    assert (in_run.synchronization, in_run.aggregation) == (reported, agg.NONE)
+    assert on_write.synchronization is sync.ON_WRITE and on_read.synchronization is sync.ON_READ
+    for var in (v, summed, in_run):
+        assert [c.synchronization for c in strategy.experimental_local_results(var)] == \
+            [reported] * len(strategy.extended.worker_devices)

@@ -52,17 +52,23 @@ def _shared_copy(value: Any, device: str) -> Any:
     return dev.to_device(value, device, copy=True)
 
 
-def destination_devices(destinations: Any) -> list[str]:
+def destination_devices(destinations: Any, replica_devices: Sequence[str] | None = None) -> list[str]:
     """Canonical device strings named by ``destinations``.
 
-    Accepts a device string, a list of them, or a distributed value/variable
-    (its devices).
+    Accepts a device string, a list of them, or a distributed value or
+    variable: its replicas' devices, so a value passed as its own
+    destinations is all-reduced (TF's ``reduce_to``). Those are
+    ``replica_devices`` when the caller knows them (a strategy does; a NumPy
+    value carries no logical device) and the value has one entry per replica,
+    else the entries' own devices.
     """
     if destinations is None:
         raise ValueError("destinations must be a device string, a list of them, or a distributed value")
     if isinstance(destinations, str):
         return [dev.canonicalize(destinations)]
     if isinstance(destinations, DistributedValues):
+        if replica_devices is not None and len(replica_devices) == len(destinations.values):
+            return [dev.canonicalize(d) for d in replica_devices]
         return [dev.canonicalize(d) for d in destinations._devices()]
     if hasattr(destinations, "device") and isinstance(getattr(destinations, "device"), str):
         return [dev.canonicalize(destinations.device)]
@@ -172,7 +178,8 @@ class CrossDeviceOps:
                           else [dev.device_of(leaves[0]) for leaves in per_replica])
         # Reduce everything onto the first replica's device, then place on the destinations.
         reduced = self._reduce_to_one(reduce_op, per_replica, source_devices, options)
-        return [self._place(r, destination_devices(d)) for r, (_, d) in zip(reduced, value_destination_pairs)]
+        return [self._place(r, destination_devices(d, replica_devices))
+                for r, (_, d) in zip(reduced, value_destination_pairs)]
 
     def _check_finite(self, per_replica: list[list]) -> None:
         """Raise on every rank, naming the replicas, when any input holds NaN or Inf."""
@@ -277,6 +284,14 @@ class NcclAllReduce(CrossDeviceOps):
             raise ValueError(f"NCCL all-reduce requires num_packs >= 0, but {num_packs} is specified")
         self.num_packs = num_packs
         self._comms: dict[tuple[int, ...], Any] = {}
+
+    def __deepcopy__(self, memo: dict) -> "NcclAllReduce":
+        """The same settings; NCCL communicators belong to one object, so the copy makes its own at first use."""
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        copied._comms = {}
+        memo[id(self)] = copied
+        return copied
 
     def _nccl_comms(self, device_ids: tuple[int, ...]) -> Any:
         if device_ids not in self._comms:

@@ -10,6 +10,7 @@ devices, communicator and variable policy.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -146,10 +147,34 @@ class StrategyExtended:
         self._host_device = dev.host_device(task=worker_index, job=job)
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._local_devices)
         self._cross_device_ops._bind(communicator)
+        self._start_replicas()
+
+    # The state of running replicas: every strategy has its own, made by _start_replicas (a deep copy too).
+    _REPLICA_STATE = ("_step_marker", "_group", "_solo_frame", "_cpu_scopes")
+
+    def _start_replicas(self) -> None:
+        """Make this strategy's replica threads and step state."""
         self._step_marker = threading.local()  # shared by this strategy's replica groups (nested runs)
         self._group = ReplicaGroup(self._num_local, self._step_marker)
         self._solo_frame: Frame | None = None  # _run_solo's replica frame: its context holds nothing of a step
         weakref.finalize(self, self._group.close)  # stop replica threads with the strategy
+
+    def __deepcopy__(self, memo: dict) -> "StrategyExtended":
+        """Copies of the settings and cross-device ops, with replica threads of its own.
+
+        Reached from ``Strategy.__deepcopy__``, which puts the new strategy in
+        ``memo`` first. A strategy over MPI ranks is not copied: its
+        communicator is one collective resource of all the ranks.
+        """
+        if self._communicator is not None:
+            raise ValueError(f"{self._container_strategy_obj!r} spans MPI ranks and cannot be deep copied")
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            if key not in self._REPLICA_STATE:
+                setattr(copied, key, copy.deepcopy(value, memo))
+        copied._start_replicas()
+        return copied
 
     # -- properties ---------------------------------------------------------------
     def _container_strategy(self) -> "Strategy":
@@ -462,6 +487,20 @@ class Strategy:
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
 
+    def __deepcopy__(self, memo: dict) -> "Strategy":
+        """A new strategy of the same kind, devices and settings, whose ``extended`` is its own and points back to
+        it (TF's ``Strategy.__deepcopy__``). It is another strategy: its scope does not nest in this one's and
+        its variables are its own."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            setattr(copied, key, copy.deepcopy(value, memo))
+        copied._extended._container_strategy_obj = copied
+        return copied
+
+    def __copy__(self) -> "Strategy":
+        raise RuntimeError("Must only deepcopy DistributionStrategy.")
+
     @property
     def extended(self) -> StrategyExtended:
         """Additional methods for advanced use (``StrategyExtended``)."""
@@ -631,6 +670,9 @@ class _DefaultDistributionStrategy(Strategy):
 
     def __init__(self) -> None:
         super().__init__(_DefaultExtended(self, ["/cpu:0"]))
+
+    def __deepcopy__(self, memo: dict) -> "Strategy":
+        raise RuntimeError("Should only create a single instance of _DefaultDistributionStrategy")
 
     def run(self, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None, options: Any = None) -> Any:
         if not isinstance(args, (list, tuple)):

@@ -90,6 +90,10 @@ class DistributedValues:
     def _get_replica(self, local_replica_id: int) -> Any:
         return self._values[local_replica_id]
 
+    def _devices(self) -> tuple[str, ...]:
+        """The canonical device of each local value (a NumPy value's is the host CPU, whatever its replica)."""
+        return tuple(dev.device_of(v) for v in self._values)
+
     def __len__(self) -> int:
         return len(self._values)
 

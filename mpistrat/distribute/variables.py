@@ -581,6 +581,8 @@ def create_for_strategy(strategy: Any, kwargs: dict) -> DistributedVariable:
     if sync is VariableSynchronization.NONE:
         raise ValueError("`NONE` variable synchronization mode is not supported with tf.distribute strategy. "
                          f"Please change the `synchronization` for variable: {name}")
+    if sync is VariableSynchronization.AUTO:
+        sync = VariableSynchronization.ON_WRITE  # a distributed variable says what AUTO chose (as TF)
     ext = strategy.extended
     devices = ext._local_devices
     initial = _initial_array(kwargs["initial_value"], kwargs["dtype"], devices[0])

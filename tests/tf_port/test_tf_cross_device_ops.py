@@ -68,9 +68,8 @@ def test_reduce_dense(collective: Any, implementation: Any, reduce_op: Any) -> N
     """Replica g holds g + 1; SUM gives n(n+1)/2 and MEAN (n+1)/2 on every replica (n: the group size)."""
     group_size = collective.num_replicas_in_sync
     per_replica_value = make_per_replica_value(collective, lambda g: np.float32(g + 1))
-    # TF passes the per-replica value itself as destinations; its devices are the worker devices
-    # (that form: test_reduce_to_per_replica_destinations).
-    reduced = collective.extended.reduce_to(reduce_op, per_replica_value, collective.extended.worker_devices,
+    # As TF, the per-replica value is its own destinations: the result is on every replica's device.
+    reduced = collective.extended.reduce_to(reduce_op, per_replica_value, per_replica_value,
                                             options=_options(implementation))
     total = group_size * (group_size + 1) / 2
     _assert_all_replicas_hold(collective, reduced, total if reduce_op is ms.ReduceOp.SUM else total / group_size)
@@ -83,9 +82,8 @@ def test_reduce_dense(collective: Any, implementation: Any, reduce_op: Any) -> N
 def test_batch_reduce_dense(collective: Any, implementation: Any, reduce_op: Any) -> None:
     """Replica g holds the pair (2g + 1, 2g + 2); both members are reduced in one call."""
     group_size = collective.num_replicas_in_sync
-    devices = collective.extended.worker_devices
-    pairs = [(make_per_replica_value(collective, lambda g, k=k: np.float32(2 * g + 1 + k)), devices)
-             for k in range(2)]
+    values = [make_per_replica_value(collective, lambda g, k=k: np.float32(2 * g + 1 + k)) for k in range(2)]
+    pairs = [(v, v) for v in values]  # TF's (per_replica_value, per_replica_value)
     reduced = collective.extended.batch_reduce_to(reduce_op, pairs, options=_options(implementation))
     for k, result in enumerate(reduced):
         total = sum(2 * g + 1 + k for g in range(group_size))
@@ -138,6 +136,10 @@ def test_reduce_to_per_replica_destinations() -> None:
     for result in strategy.extended.batch_reduce_to(
             ms.ReduceOp.MEAN, [(per_replica_value, per_replica_value), (per_replica_value, per_replica_value)]):
         _assert_all_replicas_hold(strategy, result, 1.5)
+    # CrossDeviceOps.reduce itself (TF's CollectiveOpsTest calls it directly): one result per entry.
+    direct = ms.ReductionToOneDevice().reduce(ms.ReduceOp.SUM, per_replica_value, per_replica_value)
+    assert isinstance(direct, ms.Mirrored)
+    np.testing.assert_allclose([float(v) for v in direct.values], [3.0, 3.0])
 
 
 @tf_source("cross_device_ops_test.py::CollectiveOpsTest::testReduceDense")
