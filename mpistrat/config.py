@@ -29,13 +29,14 @@ __all__ = [
 ]
 
 PREFIX = "MPISTRAT_"
-# Read by the project's scripts and test fixtures, not by the library: known, never warned about.
 # Settings earlier releases read: named in the warning, with what replaced them.
 REMOVED = {
     "MPISTRAT_SHM_SYNC": "removed: the node synchronisation is always the epoch counters, the only one that "
                          "honours the timeout",
 }
-SCRIPT_VARIABLES = ("MPISTRAT_VENV", "MPISTRAT_SERIAL_TIMEOUT", "MPISTRAT_MPI_TIMEOUT", "MPISTRAT_SLURM_INSTALL_BUDGET")
+# Read by the project's scripts and test fixtures, not by the library: known, never warned about.
+SCRIPT_VARIABLES = ("MPISTRAT_VENV", "MPISTRAT_SERIAL_TIMEOUT", "MPISTRAT_MPI_TIMEOUT", "MPISTRAT_SLURM_INSTALL_BUDGET",
+                    "MPISTRAT_TEST_NO_ABORT")
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
 _TRUE = frozenset(("1", "true", "yes", "on"))
