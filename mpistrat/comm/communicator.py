@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ from mpistrat.comm.errors import CollectiveError, allgather_checked
 from mpistrat.comm.execute import run_steps
 from mpistrat.comm.fusion import pack, plan_buckets
 from mpistrat.comm.options import CommunicationOptions
+from mpistrat.comm.pending import OrderedWorker, Pending, run_now
 from mpistrat.comm.plan import Planner
 from mpistrat.comm.runtime.lifetime import Resources, release_dropped, track
 from mpistrat.comm.runtime.topology import topology
@@ -30,7 +32,7 @@ from mpistrat.comm.transport.base import NO_AGREEMENT, Transport, TransportConte
 from mpistrat.comm.transport.buffers import GrowableBuffers
 from mpistrat.comm.transport.cuda import DeviceMpiTransport, mpi_cuda_support
 from mpistrat.comm.transport.mpi import MpiTransport, mpi_datatype
-from mpistrat.devices import is_cupy_array, is_device_buffer, synchronize_producer
+from mpistrat.devices import device_of, device_scope, is_cupy_array, is_device_buffer, synchronize_producer
 
 __all__ = ["RankCommunicator", "normalize_op"]
 
@@ -44,6 +46,18 @@ def _op_param(op: Any) -> tuple[str, Exception | None]:
         return ops.wire_op(op), None
     except ValueError as exc:
         return repr(op), exc
+
+
+@functools.cache
+def _threads_allowed() -> bool:
+    """Whether a worker thread may call MPI beside the caller's (``MPI_THREAD_MULTIPLE``)."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def _on_device(device: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with CuPy's current device (thread-local) set to ``device``."""
+    with device_scope(device):
+        return fn(*args, **kwargs)
 
 
 def _traced(name: str) -> Callable:
@@ -72,7 +86,8 @@ class RankCommunicator:
     ``options.timeout_seconds`` and carries per-rank sizes or codes where a call
     needs them; a local error travels in it, so every rank raises. A one-rank
     communicator makes no MPI call and keeps the same semantics. A communicator
-    is used by one thread at a time.
+    is used by one thread at a time: its worker while asynchronous calls are
+    pending (:meth:`allreduce_async`), else the caller.
 
     Args:
       comm: the ranks taking part (default ``MPI.COMM_WORLD``); duplicated.
@@ -126,6 +141,7 @@ class RankCommunicator:
         self._planner = Planner(self.transports, self._device)
         # In-place buckets are reduced into this, then copied into the arrays (execute.py).
         self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
+        self._worker: OrderedWorker | None = None  # the thread of allreduce_async's calls (at the first)
         self._closed = False
 
     # ------------------------------------------------------------------ helpers
@@ -138,7 +154,12 @@ class RankCommunicator:
 
     def _agree(self, key: CallKey, timeout: float, aux: int = 0, error: Exception | None = None,
                h: int | None = None) -> np.ndarray | None:
-        """The call's agreement check (a local ``error`` raises on every rank; ``h``: ``fingerprint(key)``)."""
+        """The call's agreement check (a local ``error`` raises on every rank; ``h``: ``fingerprint(key)``).
+
+        Every collective but a repeated all-reduce passes here first: collectives started asynchronously
+        before it finish first (:class:`~mpistrat.comm.pending.OrderedWorker`)."""
+        if self._worker is not None:
+            self._worker.drain()
         if self._closed and self._guard is None:
             raise RuntimeError("RankCommunicator used after close()")
         return self._agreement.agree(key, timeout, aux, error, h)
@@ -183,6 +204,8 @@ class RankCommunicator:
         input arrays are overwritten and returned; otherwise the inputs are
         untouched and the results are new arrays, never overwritten later.
         """
+        if self._worker is not None:  # calls started asynchronously before this one run first
+            self._worker.drain()
         traced = timeline.enabled()
         t0 = timeline.now_us() if traced else 0.0
         timeout, pack_bytes = (self._timeout, self._pack) if options is None else self._settings(options)
@@ -235,6 +258,43 @@ class RankCommunicator:
         if traced:
             self._record("allreduce", t0, plan.nbytes, op=opname, arrays=len(arrays), buckets=len(plan.steps))
         return results
+
+    def allreduce_async(
+        self,
+        arrays: Sequence[Any],
+        op: Any,
+        options: CommunicationOptions | None = None,
+        **keywords: Any,
+    ) -> Pending:
+        """Start ``allreduce(arrays, op, options, **keywords)`` and return at once (Horovod's ``allreduce_async``).
+
+        The handle's ``result()`` waits and returns what :meth:`allreduce` returns
+        for the same arguments, or raises its error (a mismatch included, on every
+        rank); ``done()`` never blocks. Collectives run in the order they were
+        started: this one after those started before it, and any later
+        collective of this communicator waits until it has finished. The call
+        runs on the communicator's worker thread while the caller goes on; it
+        reads the arrays (and writes them, with ``inplace=True``) until the handle
+        is done, so leave them alone until then. With one rank, or where MPI runs
+        below ``MPI_THREAD_MULTIPLE``, it runs in this call.
+        """
+        arrays = list(arrays)
+        if self.size == 1 or not _threads_allowed():
+            return run_now(self.allreduce, arrays, op, options, **keywords)
+        fn: Callable[..., Any] = self.allreduce
+        device = None
+        for a in arrays:
+            if type(a) is not np.ndarray and is_device_buffer(a):
+                synchronize_producer(a)  # the worker reads what this thread's stream produced
+                if device is None and is_cupy_array(a):
+                    device = device_of(a)
+        if device is not None:
+            fn = functools.partial(_on_device, device, fn)
+        worker = self._worker
+        if worker is None:
+            worker = self._worker = OrderedWorker(f"mpistrat-comm-{self._guard.index}")
+            weakref.finalize(self, worker.stop)  # a dropped communicator's thread ends too
+        return worker.submit(fn, arrays, op, options, **keywords)
 
     # ------------------------------------------------------------------ all-gather
 
@@ -390,6 +450,8 @@ class RankCommunicator:
         """Release buffers, transports and communicators (collective; idempotent)."""
         if self._closed:
             return
+        if self._worker is not None:  # what was started asynchronously finishes first
+            self._worker.stop()
         if self._guard is not None and self._guard.broken is None:
             try:
                 # Agree on closing too: a rank still inside another collective

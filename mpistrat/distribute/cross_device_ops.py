@@ -12,6 +12,7 @@ import numpy as np
 
 from mpistrat import arrays, config, ops
 from mpistrat import devices as dev
+from mpistrat.distribute.in_flight import InFlightReduction
 from mpistrat.distribute.values import DistributedValues, Mirrored
 from mpistrat.ops import ReduceOp
 
@@ -147,8 +148,45 @@ class CrossDeviceOps:
         reduced = self._reduce_to_one(reduce_op, per_replica_leaves, devices, options)
         if num_local == 1:
             return [list(reduced)]
+        return self._spread(reduced, devices)
+
+    def batch_all_reduce_async(
+        self,
+        reduce_op: "ReduceOp | str",
+        per_replica_leaves: Sequence[Sequence[Any]],
+        devices: Sequence[str],
+        options: Any = None,
+    ) -> InFlightReduction:
+        """:meth:`batch_all_reduce` started now: its ``rows()`` waits and returns what that returns.
+
+        The local replicas are reduced in this call; the cross-rank all-reduce
+        runs on the communicator's worker thread (``allreduce_async``); MEAN's
+        division and the copies to the replicas' devices happen at the first
+        ``rows()``.
+        """
+        num_local = len(per_replica_leaves)
+        if num_local == 0 or not per_replica_leaves[0]:
+            return InFlightReduction(None, [], lambda _: [[] for _ in range(num_local)])
+        per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
+        op = ReduceOp.from_string(reduce_op)
+        reduced, owned = self._reduce_locally(op, per_replica_leaves, devices)
+        comm = self._communicator
+        pending = None
+        if comm is not None and comm.size > 1:
+            pending = comm.allreduce_async(reduced, op.wire, options, inplace=owned)
+
+        def finish(reduced: list) -> list[list]:
+            if op is ReduceOp.MEAN:
+                n = self._global_count(num_local)
+                reduced = [_divide(r, n) for r in reduced]
+            return [list(reduced)] if num_local == 1 else self._spread(reduced, devices)
+
+        return InFlightReduction(pending, reduced, finish)
+
+    def _spread(self, reduced: list, devices: Sequence[str]) -> list[list]:
+        """Each reduced leaf copied to every replica's device; per replica, its leaves."""
         columns = [self._local_broadcast(r, devices) for r in reduced]
-        return [[columns[j][i] for j in range(num_leaves)] for i in range(num_local)]
+        return [[column[i] for column in columns] for i in range(len(devices))]
 
     def reduce(self, reduce_op: "ReduceOp | str", per_replica_value: Any, destinations: Any, options: Any = None) -> Any:
         """Reduce a PerReplica/Mirrored value to ``destinations``."""
@@ -201,16 +239,7 @@ class CrossDeviceOps:
         """Every replica's leaves (converted by ``arrays.as_arrays``) reduced over all replicas, on one device."""
         op = ReduceOp.from_string(reduce_op)
         num_local = len(per_replica)
-        if self.check_numerics:
-            self._check_finite(per_replica)
-        if num_local == 1:
-            leaves = per_replica[0]
-            # The caller's list itself when it holds only arrays (nothing here writes to it).
-            reduced = leaves if set(map(type, leaves)) == _NDARRAY_ONLY else [_as_array(v) for v in leaves]
-            owned = False
-        else:
-            reduced = [self._local_reduce(op, [per_replica[i][j] for i in range(num_local)], devices) for j in range(len(per_replica[0]))]
-            owned = True
+        reduced, owned = self._reduce_locally(op, per_replica, devices)
         comm = self._communicator
         if comm is not None and comm.size > 1:
             reduced = comm.allreduce(reduced, op.wire, options, inplace=owned)
@@ -218,6 +247,19 @@ class CrossDeviceOps:
             n = self._global_count(num_local)
             reduced = [_divide(r, n) for r in reduced]
         return reduced
+
+    def _reduce_locally(self, op: ReduceOp, per_replica: list[list], devices: Sequence[str]) -> tuple[list, bool]:
+        """The local replicas' leaves reduced onto one device (checked for NaN/Inf first when asked), and
+        whether those arrays are this object's own (False: the one replica's arrays themselves)."""
+        if self.check_numerics:
+            self._check_finite(per_replica)
+        num_local = len(per_replica)
+        if num_local == 1:
+            leaves = per_replica[0]
+            # The caller's list itself when it holds only arrays (nothing here writes to it).
+            return (leaves if set(map(type, leaves)) == _NDARRAY_ONLY else [_as_array(v) for v in leaves]), False
+        return [self._local_reduce(op, [per_replica[i][j] for i in range(num_local)], devices)
+                for j in range(len(per_replica[0]))], True
 
     def _place(self, value: Any, devices: list[str]) -> Any:
         if len(devices) == 1:

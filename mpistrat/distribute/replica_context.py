@@ -15,6 +15,7 @@ from mpistrat import nest
 from mpistrat.distribute import context
 from mpistrat import devices as dev
 from mpistrat.distribute.context import Frame
+from mpistrat.distribute.in_flight import AllReduceHandle, InFlightReduction
 from mpistrat.distribute.regroup import regroup, select_replica
 from mpistrat.distribute.replica_group import Rendezvous
 from mpistrat.distribute.values import DistributedValues, ReduceOp
@@ -145,6 +146,46 @@ class ReplicaContext:
 
             reduced = self._meet("all_reduce", (op, flat), run_reduce)
         return nest.pack_sequence_as(value, reduced)
+
+    def experimental_all_reduce_async(self, reduce_op: "ReduceOp | str", value: Any,
+                                      options: Any = None) -> AllReduceHandle:
+        """Start :meth:`all_reduce` and return a handle at once (Horovod's ``allreduce_async``).
+
+        ``handle.result()`` waits and returns what ``all_reduce(reduce_op, value,
+        options)`` returns (a new value of the same structure); ``handle.done()``
+        says, without blocking, whether it has finished. The cross-rank
+        reduction runs on the communicator's worker thread while this replica
+        goes on, so a step can reduce one layer's gradients while it computes
+        the next (DDP's bucket overlap).
+
+        The rules are ``all_reduce``'s: every local replica starts the same
+        collectives in the same order, and every rank is checked to make the same
+        call (shapes, dtypes, op); a mismatch, or any error of the reduction, is
+        raised by ``result()`` on every rank. Collectives run in the order they
+        were started; a blocking one waits until those started before it have
+        finished. The arrays of ``value`` are read while the reduction is in
+        flight: do not write them until the handle is done. A reduction whose
+        result is never read is finished when ``strategy.run`` returns, and
+        ``run`` raises its error. With one rank the reduction is done at once.
+        """
+        self._require_current()
+        op = ReduceOp.from_string(reduce_op)
+        ext = self._strategy.extended
+        flat = _replica_leaves("experimental_all_reduce_async", value)
+        rendezvous = self._rendezvous
+
+        def start(payloads: list) -> list:
+            if len(payloads) > 1:
+                _check_agree("experimental_all_reduce_async", "reduce ops", [p[0].name for p in payloads])
+                _check_same_leaves("experimental_all_reduce_async", [p[1] for p in payloads])
+            reduction = ext._cross_device_ops.batch_all_reduce_async(
+                op, [p[1] for p in payloads], ext._local_devices, options)
+            if not reduction.done():
+                rendezvous.track(reduction)  # finished by the end of the step at the latest
+            return [reduction] * len(payloads)
+
+        reduction: InFlightReduction = self._meet("experimental_all_reduce_async", (op, flat), start)
+        return AllReduceHandle(reduction, self._local_replica_id, value, flat is value)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenate every replica's ``value`` along ``axis``, in global replica order."""

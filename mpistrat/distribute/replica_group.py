@@ -1,8 +1,10 @@
 """Running one step on a rank's local replicas: a thread per replica, meeting at a ``Rendezvous``.
 
 The meeting's function (a merge function, a reduction) always runs in replica
-0's thread, the one that called ``strategy.run``, so MPI is only ever called
-from that thread; a replica that raises aborts the whole step.
+0's thread, the one that called ``strategy.run``, so no replica thread but
+that one calls MPI (an asynchronous reduction runs on the communicator's own
+worker); a replica that raises aborts the whole step. Reductions started
+asynchronously in a step are finished when its replicas have returned.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from mpistrat.distribute import context
+from mpistrat.distribute.in_flight import InFlightReduction
 
 __all__ = ["ReplicaGroup", "Rendezvous", "ReplicaAbortedError", "CollectiveOrderError"]
 
@@ -48,6 +51,7 @@ class Rendezvous:
         self._generation = 0
         self._outcome: tuple[Any, BaseException | None] = (None, None)
         self._abort: BaseException | None = None
+        self.in_flight: list[InFlightReduction] = []  # reductions the step started asynchronously
 
     def start_step(self) -> None:
         """Forget a previous step's state (called before each ``run``)."""
@@ -65,6 +69,23 @@ class Rendezvous:
         """
         with self._cond:
             self._reset()
+
+    def track(self, reduction: InFlightReduction) -> None:
+        """Keep a reduction started in this step (by the meeting's function) until the step ends."""
+        self.in_flight.append(reduction)
+
+    def finish_in_flight(self) -> None:
+        """Wait for the step's reductions still in flight; raise the first error no replica was given."""
+        reductions, self.in_flight = self.in_flight, []
+        first = None
+        for reduction in reductions:  # every one, so none is left running past the step
+            error = reduction.unread_error()
+            if error is not None and first is None:
+                first = error
+        if first is not None:
+            first.add_note("Raised at the end of strategy.run: the experimental_all_reduce_async that failed "
+                           "was never asked for its result().")
+            raise first
 
     def abort(self, error: BaseException) -> None:
         """Wake every waiting replica with an error."""
@@ -283,7 +304,7 @@ class ReplicaGroup:
         """
         with self._lock:
             if self.num_local == 1:
-                return [self._call_in_replica(fn, frames_per_replica[0], device_scopes[0], args_per_replica[0])]
+                return [self._run_lone(fn, frames_per_replica[0], device_scopes[0], args_per_replica[0])]
             step = self._step
             step.rendezvous.start_step()
             step.reset(self.num_local - 1)
@@ -297,8 +318,12 @@ class ReplicaGroup:
                 self._wait_for_replicas(step)
             errors = [(i, e) for i, e in enumerate(step.errors) if e is not None]
             results = step.results
-            step.reset(0)
-            step.rendezvous.end_step()  # every replica has returned: nobody reads it any more
+            try:
+                if not errors and step.rendezvous.in_flight:
+                    step.rendezvous.finish_in_flight()
+            finally:
+                step.reset(0)
+                step.rendezvous.end_step()  # every replica has returned: nobody reads it any more
             if errors:
                 # Prefer the error that started it over the consequences in other replicas.
                 primary = [(i, e) for i, e in errors if not isinstance(e, ReplicaAbortedError)]
@@ -311,7 +336,20 @@ class ReplicaGroup:
         ``frame`` pushed and ``device_scope`` (None: no device to make current) entered; its result,
         not a list."""
         with self._lock:
-            return self._call_in_replica(fn, (frame,), device_scope, (args, kwargs))
+            return self._run_lone(fn, (frame,), device_scope, (args, kwargs))
+
+    def _run_lone(self, fn: Callable, frames: Sequence[Any], device_scope: Any, call_args: tuple) -> Any:
+        """The one replica's call, then the step's reductions still in flight are finished (their unread
+        errors raised); a failed call leaves them to the communicator's order."""
+        rendezvous = self._step.rendezvous
+        try:
+            result = self._call_in_replica(fn, frames, device_scope, call_args)
+        except BaseException:
+            rendezvous.in_flight = []
+            raise
+        if rendezvous.in_flight:
+            rendezvous.finish_in_flight()
+        return result
 
     def _call_in_replica(self, fn: Callable, frames: Sequence[Any], device_scope: Any, call_args: tuple) -> Any:
         """Call ``fn(*call_args[0], **call_args[1])`` in this thread with ``frames`` on its context stack
