@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python benchmarks/allreduce.py
     mpiexec -n 4 python benchmarks/allreduce.py [--max-size 64M] [--budget 0.6] [--implementation AUTO]
-        [--columns strategy,window]
+        [--columns strategy,window] [--plot busbw.png]
 
 Prints, for float32 buffers of 4 KiB..64 MiB, the time per all-reduce, algbw
 and busbw (nccl-tests convention: algbw = bytes / time, busbw = algbw *
@@ -205,8 +205,9 @@ def describe_transports(rc: RankCommunicator) -> list[str]:
             for b in rc.transports]
 
 
-def size_table(ctx: Context, names: list[str], args: argparse.Namespace, say: Callable[..., None]) -> None:
-    """One row per size: time, algbw, busbw of each column and its ratio to raw."""
+def size_table(ctx: Context, names: list[str], args: argparse.Namespace,
+               say: Callable[..., None]) -> list[tuple[int, list[float]]]:
+    """One row per size: time, algbw, busbw of each column and its ratio to raw; returns (size, medians) per row."""
     world, n = ctx.world, ctx.world.Get_size()
     shm = next((b for b in ctx.rc.transports if isinstance(b, ShmTransport)), None)
     auto = "window" in names
@@ -220,6 +221,7 @@ def size_table(ctx: Context, names: list[str], args: argparse.Namespace, say: Ca
         header += f" | {'auto':>6} {'ratio':>5}"
     say(header)
     say(units)
+    rows = []
     size = parse_size(args.min_size)
     while size <= parse_size(args.max_size):
         buf = np.zeros(size // 4, dtype=np.float32)  # zeros: repeated in-place sums stay finite
@@ -239,7 +241,9 @@ def size_table(ctx: Context, names: list[str], args: argparse.Namespace, say: Ca
             t = medians[names.index("window")] if use else medians[0]
             line += f" | {'window' if use else 'mpi':>6} {medians[0] / t:>5.2f}"
         say(line, flush=True)
+        rows.append((size, medians))
         size *= 4
+    return rows
 
 
 def fused_table(ctx: Context, args: argparse.Namespace, say: Callable[..., None]) -> None:
@@ -280,6 +284,33 @@ def check_cost(ctx: Context, args: argparse.Namespace, say: Callable[..., None])
         f"(raw 4-byte Allreduce {tiny_t * 1e6:.1f} us, raw Barrier {barrier_t * 1e6:.1f} us)")
 
 
+def plot_busbw(path: str, rows: list[tuple[int, list[float]]], names: list[str], n: int) -> None:
+    """A PNG of every column's busbw against the size (``--plot``; matplotlib)."""
+    from plotting import line_plot
+
+    sizes = [size for size, _ in rows]
+    series = {MEASURED[name][0]: (sizes, [busbw(size, medians[j], n)[1] for size, medians in rows])
+              for j, name in enumerate(names)}
+    line_plot(path, series, title=f"allreduce.py: float32 all-reduce, {n} ranks (median of the slowest rank)",
+              xlabel="bytes per rank", ylabel="busbw (GB/s)", logx=True, xticks=sizes,
+              xticklabels=[human(size) for size in sizes])
+
+
+def plot_available(world: MPI.Comm) -> None:
+    """Raise SystemExit on every rank, before measuring, if ``--plot`` cannot work on rank 0."""
+    from plotting import PlotUnavailable, pyplot
+
+    error = None
+    if world.Get_rank() == 0:
+        try:
+            pyplot()
+        except PlotUnavailable as exc:
+            error = str(exc)
+    error = world.bcast(error, root=0)
+    if error:
+        raise SystemExit(f"allreduce.py: {error}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--min-size", default="4K")
@@ -289,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--columns", default=DEFAULT_COLUMNS,
                         help=f"comma-separated, from {','.join(k for k in MEASURED if k != 'raw')} (raw always)")
     parser.add_argument("--fused-count", type=int, default=100)
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of busbw against size per column (matplotlib)")
     args = parser.parse_args(argv)
     names = ["raw"] + [c.strip() for c in args.columns.split(",") if c.strip() and c.strip() != "raw"]
     unknown = [c for c in names if c not in MEASURED]
@@ -296,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown column(s) {unknown}; choose from {list(MEASURED)}")
     world = MPI.COMM_WORLD
     n, rank = world.Get_size(), world.Get_rank()
+    if args.plot:
+        plot_available(world)
     options = CommunicationOptions(implementation=args.implementation)
     strategy = ms.MultiWorkerMirroredStrategy(communication_options=options)
     rc = strategy.extended._communicator
@@ -310,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     say(f"# strategy's RankCommunicator transports: {describe_transports(rc)}; implementation={args.implementation}")
     say("# time = median over iterations of the slowest rank; busbw = algbw * 2(n-1)/n; ratio = busbw / raw busbw;"
         " pair = median over iterations of raw time / this time, measured back to back")
-    size_table(ctx, names, args, say)
+    rows = size_table(ctx, names, args, say)
+    if args.plot and rank == 0:
+        plot_busbw(args.plot, rows, names, n)
+        say(f"# wrote {args.plot}")
     shm = next((b for b in rc.transports if isinstance(b, ShmTransport)), None)
     if shm is not None and shm.chunk_calibration:
         nbytes, one_pass, chunked = shm.chunk_calibration[0]
