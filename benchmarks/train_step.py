@@ -226,12 +226,11 @@ def paired_steps(comm: Any, steps: Sequence[Callable[[int], tuple[float, float]]
                  warmup: int) -> tuple[np.ndarray, np.ndarray]:
     """``step_s[iteration, mode]`` (the slowest rank's) and ``parts_s[rank, iteration, mode, part]``.
 
-    The parts are the seconds each rank spent reducing (0) and updating (1), as each step reports them.
-
     Every iteration runs each step once, in a new random order (``ORDER_SEED``: the same
     on every rank) whose first step is not the previous iteration's last, each after a
     ``Barrier`` (the order rule of ``allreduce.samples``). Step ``warmup + i`` of every mode
-    uses the same batch.
+    uses the same batch. The parts are the seconds each rank's step reported spending
+    reducing (0) and updating (1).
     """
     from mpi4py import MPI
 
