@@ -211,3 +211,38 @@ def test_variable_used_with_another_strategy_raises():
     with b.scope():
         with pytest.raises(RuntimeError, match="Mixing different"):
             v.assign(1.0)
+
+
+def test_updates_never_change_a_value_someone_holds():
+    """value() is a snapshot (TF: a read is a tensor later assignments do not change), even when updates run in place."""
+    v = ms.Variable(np.arange(4, dtype=np.float32))
+    held = v.value()
+    view = v.value()[1:3]
+    exported = memoryview(v.value())
+    v.assign_sub(np.ones(4, np.float32))
+    v.assign_add(np.float32(0.5))
+    np.testing.assert_array_equal(held, np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(view, [1, 2])
+    np.testing.assert_array_equal(np.asarray(exported), np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(v.numpy(), np.arange(4, dtype=np.float32) - 0.5)
+    assert not v.value().flags.writeable
+
+
+def test_updates_of_an_unshared_value_reuse_its_memory_with_the_same_bits():
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal(1000).astype(np.float32)
+    deltas = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
+    v = ms.Variable(start)
+    address = v.value().ctypes.data
+    for d in deltas:
+        v.assign_sub(d)
+    v.assign_add(deltas[0])
+    assert v.value().ctypes.data == address  # no one held the array: updated where it was
+    expected = start.copy()
+    for d in deltas:
+        expected = expected - d
+    expected = expected + deltas[0]
+    np.testing.assert_array_equal(v.numpy(), expected)
+    mixed = ms.Variable(start)
+    mixed.assign_sub(deltas[0].astype(np.float64))  # another dtype: the copying path, same result as before
+    np.testing.assert_array_equal(mixed.numpy(), (start - deltas[0].astype(np.float64)).astype(np.float32))

@@ -14,6 +14,7 @@ import copy
 import enum
 import itertools
 import re
+import sys
 import threading
 from typing import Any, Callable
 
@@ -350,6 +351,8 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
                 if new.shape != self._array.shape:
                     raise ValueError(f"Cannot assign a value of shape {new.shape} to variable {self._name} "
                                      f"of shape {self._array.shape}")
+            elif not on_gpu and self._update_in_place(method, new):
+                return self
             elif method == "assign_add":
                 new = xp.asarray(self._array + new).astype(self.dtype, copy=False)
             else:
@@ -359,6 +362,34 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
                                  f"{self._array.shape} to {new.shape}")
             self._array = _frozen(new)
         return self
+
+
+    def _update_in_place(self, method: str, delta: Any) -> bool:
+        """Add or subtract ``delta`` into the NumPy array itself when no one else can see it; False if not done.
+
+        ``value()`` promises a snapshot, so the array is modified only when nothing outside this
+        variable refers to it (a view or a buffer export holds a reference to its base), and only
+        when the result has the variable's own dtype and shape, so the outcome is bitwise that of
+        the copying path. This saves an allocation (and its page faults) per update.
+        """
+        if (type(delta) is not np.ndarray or delta.dtype != self._array.dtype
+                or (delta.shape != self._array.shape and delta.ndim != 0)
+                or sys.getrefcount(self._array) > _SOLE_OWNER_REFS):
+            return False
+        array = self._array
+        try:
+            array.flags.writeable = True
+        except ValueError:  # not the array's own memory
+            return False
+        try:
+            (np.add if method == "assign_add" else np.subtract)(array, delta, out=array)
+        finally:
+            array.flags.writeable = False
+        return True
+
+
+# References to a variable's array when only the variable holds it: its attribute and getrefcount's argument.
+_SOLE_OWNER_REFS = 2
 
 
 class DistributedVariable(BaseVariable, DistributedValues):
