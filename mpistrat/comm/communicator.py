@@ -23,7 +23,7 @@ from mpistrat.comm.execute import run_steps
 from mpistrat.comm.fusion import pack, plan_buckets
 from mpistrat.comm.options import CommunicationOptions
 from mpistrat.comm.pending import OrderedWorker, Pending, run_now
-from mpistrat.comm.plan import Planner
+from mpistrat.comm.plan import Plan, Planner
 from mpistrat.comm.runtime.lifetime import Resources, release_dropped, track
 from mpistrat.comm.runtime.topology import topology
 from mpistrat.comm.signature import CAI, CUPY, HOST, allreduce_signature
@@ -46,6 +46,24 @@ def _op_param(op: Any) -> tuple[str, Exception | None]:
         return ops.wire_op(op), None
     except ValueError as exc:
         return repr(op), exc
+
+
+def _op_params(opname: str, divisor: int | None) -> tuple:
+    """The agreement key's parameters of an all-reduce: its logical op (MEAN: the sum and its divisor)."""
+    if divisor is None:
+        return (("op", opname),)
+    return (("op", "mean"), ("divisor", divisor))
+
+
+def _divisor_error(opname: str, divisor: Any) -> Exception | None:
+    """Why ``divisor`` is not a MEAN's divisor of a sum, or None."""
+    if divisor is None:
+        return None
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, np.integer)) or divisor < 1:
+        return ValueError(f"allreduce: divisor must be a positive int (MEAN's replica count), got {divisor!r}")
+    if opname != "sum":
+        return ValueError(f"allreduce: divisor is MEAN's, a sum divided afterwards; op must be 'sum', got {opname!r}")
+    return None
 
 
 @functools.cache
@@ -197,66 +215,95 @@ class RankCommunicator:
         options: CommunicationOptions | None = None,
         *,
         inplace: bool = False,
+        divisor: int | None = None,
     ) -> list:
         """Reduce each array element-wise across ranks; every rank gets the results.
 
         ``op`` is ``"sum"``, ``"min"`` or ``"max"``. With ``inplace=True`` the
         input arrays are overwritten and returned; otherwise the inputs are
         untouched and the results are new arrays, never overwritten later.
+        ``divisor``: the caller's MEAN, a sum (``op`` ``"sum"``) the caller divides
+        by ``divisor`` afterwards. The agreement check covers the logical op, so
+        ranks asking MEAN and SUM, or MEAN over different counts, raise a mismatch
+        on every rank.
         """
+        if (type(arrays) is list and len(arrays) == 1 and options is None and not inplace and type(op) is str
+                and (divisor is None or type(divisor) is int)):
+            # A call of one NumPy array repeated with the communicator's options: its plan, key and
+            # fingerprint are filed by what the call is made of, so nothing is built or hashed but that.
+            a = arrays[0]
+            if type(a) is np.ndarray:
+                plan = self._planner.singles.get((op, divisor, a.shape, a.dtype))
+                if plan is not None and self._worker is None and self.size > 1 and not timeline.enabled():
+                    return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
+        return self._allreduce(arrays, op, options, inplace, divisor)
+
+    def _allreduce(self, arrays: Sequence[Any], op: Any, options: CommunicationOptions | None, inplace: bool,
+                   divisor: int | None) -> list:
+        """:meth:`allreduce`: plan (signature, validation, cached steps), agreement, execute."""
         if self._worker is not None:  # calls started asynchronously before this one run first
             self._worker.drain()
         traced = timeline.enabled()
         t0 = timeline.now_us() if traced else 0.0
         timeout, pack_bytes = (self._timeout, self._pack) if options is None else self._settings(options)
+        single = arrays[0] if type(arrays) is list and len(arrays) == 1 and options is None and not inplace else None
         arrays = list(arrays)
-        # Plan: the signature and validation, then the steps (cached by the call's fingerprint).
+        # Plan: the signature and validation, then the steps, cached by everything the key is made of.
         opname, error = _op_param(op)
         sig, kinds, sig_error = allreduce_signature(arrays, inplace, self._device_mpi_missing)
+        if divisor is not None:
+            error = error or _divisor_error(opname, divisor)
+            divisor = int(divisor) if error is None else None  # one spelling in the key on every rank
         error = error or sig_error
-        key = ("allreduce", (("op", opname),), sig)
-        h = 0
         plan = None
         if error is None:
-            h = fingerprint(key)
-            plan_key = (h, kinds, pack_bytes, inplace)
+            plan_key = (opname, divisor, sig, kinds, pack_bytes, inplace)
             plan = self._planner.cached(plan_key)
-            if plan is None:
-                error = self._planner.invalid(sig, opname)
-        if error is not None:
-            self._agree(key, timeout, error=error)  # raises on every rank
-        if plan is None:
+        if plan is not None:  # a repeated call: its key and fingerprint were made with its plan
+            key, h, mode = plan.key, plan.h, plan.repeat_mode
+        else:
+            key = ("allreduce", _op_params(opname, divisor), sig)
+            error = error or self._planner.invalid(sig, opname)
+            if error is not None:
+                self._agree(key, timeout, error=error)  # raises on every rank
             # Not planned before: every rank checks first, then plans. Planning may make transports
             # and a transport's first bucket of a size may grow shared memory (both collective), so
             # a plan is made, and cached, only for a call every rank agreed on.
+            h = fingerprint(key)
             aux = self._agree(key, timeout, check_aux(pack_bytes), h=h)
             if aux is not None:
                 require_same_pack(aux)
             plan = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)
+            plan.key, plan.h = key, h
             first = plan.steps[0] if plan.steps else None
             if first is not None:
                 plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
                                                first.transport.folds_agreement)
             mode = CHECKED
-        else:
-            mode = plan.repeat_mode
+        if type(single) is np.ndarray and type(op) is str:
+            self._planner.file_single(op, divisor, single, plan)
         if self.size == 1:
             if mode != CHECKED:
                 self._agree(key, timeout)  # only checks that the communicator is open
             results = arrays if inplace else [a.copy() for a in arrays]
         else:
-            # Agreement, then execute: the first bucket's transport completes the check (agreement/call.py).
-            agreement = self._agreement
-            hook = agreement.begin(key, h, timeout, pack_bytes, mode)
-            try:
-                results = run_steps(plan.steps, arrays, opname, inplace, hook, self._scratch)
-            except BaseException as exc:
-                agreement.fail(exc)
-                raise
-            if hook is not NO_AGREEMENT:
-                agreement.end(plan.steps[0].transport)
+            results = self._execute(plan, arrays, inplace, mode, timeout, pack_bytes)
         if traced:
             self._record("allreduce", t0, plan.nbytes, op=opname, arrays=len(arrays), buckets=len(plan.steps))
+        return results
+
+    def _execute(self, plan: Plan, arrays: list, inplace: bool, mode: int, timeout: float, pack_bytes: int) -> list:
+        """Agreement, then execute (two ranks or more): the first bucket's transport completes the check
+        (agreement/call.py)."""
+        agreement = self._agreement
+        hook = agreement.begin(plan.key, plan.h, timeout, pack_bytes, mode)
+        try:
+            results = run_steps(plan.steps, arrays, plan.op, inplace, hook, self._scratch)
+        except BaseException as exc:
+            agreement.fail(exc)
+            raise
+        if hook is not NO_AGREEMENT:
+            agreement.end(plan.steps[0].transport)
         return results
 
     def allreduce_async(

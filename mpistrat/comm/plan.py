@@ -51,24 +51,30 @@ class Step:
 
 
 class Plan:
-    """The steps of one call signature, and where the agreement check of a repeated call runs.
+    """The steps of one call signature, its agreement key and fingerprint, and where the agreement
+    check of a repeated call runs.
 
-    ``repeat_mode`` is set by the communicator when it makes the plan (agreement/call.py:
-    ``choose_mode``), since it depends only on the first step and the communicator.
+    ``key``, ``h`` and ``repeat_mode`` are set by the communicator when it makes the plan (``h`` is
+    ``fingerprint(key)``; the mode: agreement/call.py, ``choose_mode``), so a repeated call hashes
+    nothing and chooses nothing.
     """
 
-    __slots__ = ("steps", "nbytes", "repeat_mode")
+    __slots__ = ("steps", "nbytes", "op", "key", "h", "repeat_mode")
 
-    def __init__(self, steps: list[Step]) -> None:
+    def __init__(self, steps: list[Step], op: str) -> None:
         self.steps = steps
+        self.op = op  # the wire op
         self.nbytes = sum(s.bucket.nbytes for s in steps)
+        self.key: tuple = ()
+        self.h = 0
         self.repeat_mode = 0
 
 
 class Planner:
     """Makes and caches the plans of one communicator.
 
-    A plan is made once per call signature (op, shapes, dtypes, kinds, bucket size, in place or not):
+    A plan is made once per call signature (op and MEAN's divisor, shapes, dtypes, kinds, bucket size,
+    in place or not):
     a list of :class:`Step`, each a bucket, its transport and the results pool. Host arrays and CuPy
     arrays are packed into buckets by dtype (:func:`~mpistrat.comm.fusion.plan_buckets`); buffers
     exposing only ``__cuda_array_interface__`` are reduced one by one, in place.
@@ -81,10 +87,20 @@ class Planner:
         self._host = host
         self._device = device
         self._plans: dict[Any, Plan] = {}
+        # The same plans, for a call of one NumPy array with the communicator's own options, filed by what
+        # such a call is made of (:meth:`file_single`): its signature needs no building.
+        self.singles: dict[tuple, Plan] = {}
 
     def cached(self, key: Any) -> Plan | None:
         """The plan filed under ``key``, if any."""
         return self._plans.get(key)
+
+    def file_single(self, op: Any, divisor: int | None, array: np.ndarray, plan: Plan) -> None:
+        """File ``plan`` under ``(op, divisor, array.shape, array.dtype)`` too: the plan of a call of this
+        one array (not in place, the communicator's options), op and divisor spelled as given."""
+        if len(self.singles) >= PLAN_CACHE_MAX:
+            self.singles.clear()
+        self.singles[(op, divisor, array.shape, array.dtype)] = plan
 
     @staticmethod
     def invalid(sig: tuple, op: str) -> Exception | None:
@@ -127,12 +143,14 @@ class Planner:
                 steps.append(Step(b, kind, transport, xp))
         if len(self._plans) >= PLAN_CACHE_MAX:
             self._plans.clear()
-        plan = self._plans[key] = Plan(steps)
+            self.singles.clear()
+        plan = self._plans[key] = Plan(steps, op)
         return plan
 
     def clear(self) -> None:
         """Forget every plan."""
         self._plans.clear()
+        self.singles.clear()
 
 
 def _single_bucket(i: int, entry: tuple) -> Bucket:

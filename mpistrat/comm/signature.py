@@ -64,8 +64,12 @@ def allreduce_signature(
     buffers exposing ``__cuda_array_interface__`` alone: True when they cannot go to MPI (more than
     one rank and an MPI that is not CUDA-aware).
     """
-    if not inplace and set(map(type, arrays)) == _NDARRAY_ONLY:  # the common case, in C loops
-        return tuple(zip(map(_shape_of, arrays), map(_DTYPE_STR.__getitem__, map(_dtype_of, arrays)))), None, None
+    if not inplace:
+        if len(arrays) == 1 and type(arrays[0]) is np.ndarray:  # the commonest case: one array
+            a = arrays[0]
+            return ((a.shape, _DTYPE_STR[a.dtype]),), None, None
+        if set(map(type, arrays)) == _NDARRAY_ONLY:  # the common case, in C loops
+            return tuple(zip(map(_shape_of, arrays), map(_DTYPE_STR.__getitem__, map(_dtype_of, arrays)))), None, None
     sig = []
     kinds = None
     for i, a in enumerate(arrays):

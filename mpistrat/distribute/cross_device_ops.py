@@ -119,6 +119,10 @@ class CrossDeviceOps:
         comm = self._communicator
         return num_local * (comm.size if comm is not None else 1)
 
+    def _divisor(self, op: ReduceOp, num_local: int) -> int | None:
+        """MEAN's divisor for the cross-rank all-reduce's agreement (None for the other ops)."""
+        return self._global_count(num_local) if op is ReduceOp.MEAN else None
+
     # -- local primitives, overridden by subclasses --------------------------------
     def _local_reduce(self, op: ReduceOp, values: Sequence[Any], devices: Sequence[str]) -> Any:
         raise NotImplementedError
@@ -150,6 +154,17 @@ class CrossDeviceOps:
             return [list(reduced)]
         return self._spread(reduced, devices)
 
+    def _all_reduce_one(self, reduce_op: ReduceOp, value: np.ndarray, devices: Sequence[str], options: Any = None) -> Any:
+        """``batch_all_reduce(reduce_op, [[value]], devices, options)[0][0]``: one NumPy array of a lone local
+        replica, the commonest call of a multi-worker step, straight to the communicator (nothing to
+        wrap, convert, reduce locally or spread)."""
+        comm = self._communicator
+        if (comm is None or comm.size == 1 or len(devices) != 1 or self.check_numerics
+                or arrays.as_array(value, what="all_reduce") is not value):
+            return self.batch_all_reduce(reduce_op, [[value]], devices, options)[0][0]
+        reduced = comm.allreduce([value], reduce_op.wire, options, divisor=self._divisor(reduce_op, 1))[0]
+        return _divide(reduced, self._global_count(1)) if reduce_op is ReduceOp.MEAN else reduced
+
     def batch_all_reduce_async(
         self,
         reduce_op: "ReduceOp | str",
@@ -173,7 +188,7 @@ class CrossDeviceOps:
         comm = self._communicator
         pending = None
         if comm is not None and comm.size > 1:
-            pending = comm.allreduce_async(reduced, op.wire, options, inplace=owned)
+            pending = comm.allreduce_async(reduced, op.wire, options, inplace=owned, divisor=self._divisor(op, num_local))
 
         def finish(reduced: list) -> list[list]:
             if op is ReduceOp.MEAN:
@@ -242,7 +257,9 @@ class CrossDeviceOps:
         reduced, owned = self._reduce_locally(op, per_replica, devices)
         comm = self._communicator
         if comm is not None and comm.size > 1:
-            reduced = comm.allreduce(reduced, op.wire, options, inplace=owned)
+            # MEAN goes as a sum, divided below; its divisor is part of the agreement check, so ranks
+            # asking MEAN and SUM raise a mismatch on every rank.
+            reduced = comm.allreduce(reduced, op.wire, options, inplace=owned, divisor=self._divisor(op, num_local))
         if op is ReduceOp.MEAN:
             n = self._global_count(num_local)
             reduced = [_divide(r, n) for r in reduced]

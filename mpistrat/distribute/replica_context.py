@@ -130,7 +130,7 @@ class ReplicaContext:
         op = ReduceOp.from_string(reduce_op)
         ext = self._strategy.extended
         if type(value) is np.ndarray and self._rendezvous.n == 1:  # the hot case: nothing to walk or rebuild
-            return ext._cross_device_ops.batch_all_reduce(op, [[value]], ext._local_devices, options)[0][0]
+            return ext._cross_device_ops._all_reduce_one(op, value, ext._local_devices, options)
         flat = _replica_leaves("all_reduce", value)
         if self._rendezvous.n == 1:  # a lone replica: nobody to meet or to agree with, its leaves are the batch
             reduced = ext._cross_device_ops.batch_all_reduce(op, [flat], ext._local_devices, options)[0]

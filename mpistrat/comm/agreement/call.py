@@ -35,10 +35,10 @@ def check_aux(pack_bytes: int, staged_first: bool = False) -> int:
     return pack_bytes << 1 | (STAGED_FIRST if staged_first else 0)
 
 
-def require_same_pack(aux: np.ndarray, call: str = "allreduce") -> bool:
+def require_same_pack(aux: "np.ndarray | list[int]", call: str = "allreduce") -> bool:
     """Raise (on every rank: all see the same values) unless every rank fuses with the same bucket
     size; whether every rank staged its first bucket before its check (:data:`STAGED_FIRST`)."""
-    values = aux.tolist()  # a few ints: Python's min and max beat NumPy's call overhead
+    values = aux if type(aux) is list else aux.tolist()  # a few ints: Python's min and max beat NumPy's
     lo, hi = min(values), max(values)
     if lo >> 1 != hi >> 1:
         detail = "; ".join(f"rank {r}: {p >> 1}" for r, p in enumerate(values))
@@ -126,8 +126,8 @@ class CallAgreement(AgreementHook):
             t0 = timeline.now_us() if timeline.enabled() else 0.0
             guard.start(key, timeout, check_aux(pack_bytes), h)
             self._t0 = t0
-        else:
-            guard.require_usable()  # before staging: peers may still read this rank's last data
+        elif guard.broken is not None:  # before staging: peers may still read this rank's last data
+            guard.require_usable()
         self._mode, self._pending, self._call = mode, True, (key, h, timeout, pack_bytes)
         return self
 
@@ -147,7 +147,10 @@ class CallAgreement(AgreementHook):
                     self._record(self._t0, key)
             require_same_pack(aux)
             return False
-        return require_same_pack(self.agree(key, timeout, check_aux(pack_bytes, staged_first=first), h=h))
+        aux = pack_bytes << 1 | (STAGED_FIRST if first else 0)  # check_aux, inline: this is every call
+        if timeline.enabled():
+            return require_same_pack(self.agree(key, timeout, aux, h=h))
+        return require_same_pack(guard.check_aux(key, timeout, aux, h))
 
     def end(self, transport: Any) -> None:
         """After the transport returned: a transport that never told the hook is a bug, raised on every rank."""

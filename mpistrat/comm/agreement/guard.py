@@ -95,19 +95,27 @@ class AgreementGuard:
         self._send = np.zeros(3, dtype=np.int64)
         self._recv = np.zeros(3 * self.size, dtype=np.int64)
         self._recv_aux = self._recv[1::3]
+        self.aux_values: list[int] = []  # every rank's aux in the last completed check
+        self._list_only = False  # finish() called by check_aux: recv need not hold the aux values
         self.transport = "shm" if all(shm for _, shm in agreed) else "mpi"
         if self.transport == "shm":  # one node: one shared-memory round (shm_allgather.py)
-            self._persistent: Any = ShmAllgather(self._ctl, self._send, self._recv)
+            gather = ShmAllgather(self._ctl, self._send, self._recv)
+            self._persistent: Any = gather
+            # A completed round is read straight from the shared lines: rank r's values at stride * r + 1..3.
+            self._post, self._poll, self._read = gather.post, gather.poll, gather.values
+            self._stride, self._first = gather.STRIDE, 1
         else:  # a persistent collective (MPI-4) saves a few microseconds per check
             try:
                 self._persistent = self._ctl.Allgather_init(self._send, self._recv)
             except (AttributeError, NotImplementedError, MPI.Exception):
                 self._persistent = None
+            self._post, self._poll, self._read = self._post_mpi, None, self._recv.tolist
+            self._stride, self._first = 3, 0
         self._qid = 0
         self._grace = settings.timeout_grace_seconds
         self.broken: str | None = None
         self.abandoned_seq: int | None = None
-        self._open: tuple | None = None  # a started check: (request, key, timeout, fingerprint, arrival ms)
+        self._open: tuple | None = None  # a started check: (request, key, timeout, fingerprint, arrival ms, deadline ms)
         self._stall_warning, self._stall_shutdown = settings.stall_warning_seconds, settings.stall_shutdown_seconds
         self._exited: dict[int, tuple] = {}  # rank -> (its last seq, how it ended)
         self._waiting_for: tuple | None = None  # the wait in progress: (request, key, start, deadline)
@@ -126,6 +134,17 @@ class AgreementGuard:
         """
         self.start(key, timeout, aux, h)
         return self.finish()
+
+    def check_aux(self, key: CallKey, timeout: float, aux: int = 0, h: int | None = None) -> list[int]:
+        """:meth:`check`, returning every rank's ``aux`` as a Python list (index = rank) the caller may
+        keep: what a caller reading a few values needs, without NumPy's per-item cost."""
+        self.start(key, timeout, aux, h)
+        self._list_only = True
+        try:
+            self.finish()
+        finally:
+            self._list_only = False
+        return self.aux_values
 
     @property
     def started(self) -> bool:
@@ -149,24 +168,29 @@ class AgreementGuard:
         """
         if self._open is not None:
             raise RuntimeError("AgreementGuard.start: the previous check was not finished")
-        self.require_usable()
+        if self.broken is not None:
+            raise CommunicatorBrokenError(self.broken)
         shutdown = self._stall_shutdown
         if shutdown and shutdown < timeout:
             timeout = shutdown
         if h is None:
             h = fingerprint(key)
         self.seq += 1
+        arrival = int(time.time() * 1000)
+        deadline = arrival + int(timeout * 1000)
+        self._open = (self._post(h, aux, deadline), key, timeout, h, arrival, deadline)
+
+    def _post_mpi(self, h: int, aux: int, deadline: int) -> MPI.Request:
+        """Post this rank's values in the MPI all-gather; its request."""
         send = self._send
         send[0] = h
         send[1] = aux
-        arrival = int(time.time() * 1000)
-        send[2] = arrival + int(timeout * 1000)
+        send[2] = deadline
         req = self._persistent
-        if req is not None:
-            req.Start()
-        else:
-            req = self._ctl.Iallgather(send, self._recv)
-        self._open = (req, key, timeout, h, arrival)
+        if req is None:
+            return self._ctl.Iallgather(send, self._recv)
+        req.Start()
+        return req
 
     def finish(self) -> np.ndarray:
         """The second half of :meth:`check`: wait for every rank, compare, return each rank's ``aux``.
@@ -177,44 +201,51 @@ class AgreementGuard:
         (``Mismatched allreduce shapes in collective #3: rank 0 sent [(4,), float32]; rank 1 sent
         [(5,), float32]``).
         """
-        if self._open is None:
+        opened = self._open
+        if opened is None:
             raise RuntimeError("AgreementGuard.finish: no check was started")
-        req, key, timeout, h, arrival = self._open
+        req, key, timeout, h, arrival, deadline = opened
         self._open = None
-        resumed = int(time.time() * 1000)  # after start(), the caller may have staged data without polling
-        send = self._send
-        late = False
+        now = 0
         try:
-            if not req.Test():
+            if (self._poll or req.Test)():  # complete already: one clock reading serves both questions below
+                late = False
+                now = resumed = int(time.time() * 1000)
+            else:
+                resumed = int(time.time() * 1000)  # after start(), the caller may have staged without polling
                 late = self._wait(req, key, timeout)
         except BaseException as exc:  # KeyboardInterrupt, a signal handler's error: the round is still open
             if self.broken is None:
                 self.broken = (f"collective #{self.seq} ({describe_call(key)}) was interrupted on rank "
                                f"{self.rank} before every rank arrived ({type(exc).__name__})")
             raise
-        if not late and time.time() * 1000 > send[2]:
+        if not late and (now or time.time() * 1000) > deadline:
             # Completed past our deadline, before noticing it (while waiting, or
             # while staging after start): a peer that arrived after the deadline
             # expects a verdict from us.
             self._resolved([r for r in range(self.size) if r != self.rank])
-        values = self._recv.tolist()
+        values, stride, first = self._read(), self._stride, self._first
         # A peer whose deadline passed before we arrived has timed out: it
         # sends a verdict (RESOLVED or ABANDON) that we must wait for.
-        earliest = min(values[2::3])
+        deadlines = values[first + 2 :: stride]
+        earliest = min(deadlines)
         if late or earliest < arrival:
-            self._settle(key, timeout, values, arrival)
+            self._settle(key, timeout, deadlines, arrival)
         elif earliest < resumed:
             # A peer's deadline passed while we staged: it may have timed out
             # (then it queried us, and its verdict is on the way) or completed
             # in time (then it sent nothing): wait only for those that queried.
-            self._settle(key, timeout, values, arrival, only_queried=True)
-        if values[0::3].count(h) != self.size:
+            self._settle(key, timeout, deadlines, arrival, only_queried=True)
+        if values[first::stride].count(h) != self.size:
             keys = self._ctl.allgather(key)
             message = format_mismatch(keys, self.seq)
             if any(k[0] == "close" for k in keys):
                 # Some ranks are closing: the communicator is done for everyone.
                 self.broken = f"ranks disagreed while closing this communicator ({message})"
             raise CollectiveMismatchError(message, keys)
+        self.aux_values = aux = values[first + 1 :: stride]
+        if self._poll is not None and not self._list_only:  # gathered in shared memory: recv holds nothing yet
+            self._recv_aux[:] = aux
         return self._recv_aux
 
     def close(self) -> None:
@@ -474,7 +505,7 @@ class AgreementGuard:
             self._channel.post(self.seq, r, _TAG_RESOLVED)
         self._channel.flush(self._grace)
 
-    def _settle(self, key: CallKey, timeout: float, values: list, arrival: int, only_queried: bool = False) -> None:
+    def _settle(self, key: CallKey, timeout: float, deadlines: list, arrival: int, only_queried: bool = False) -> None:
         """After a completed check, learn whether a peer gave up on it.
 
         A peer that timed out on this collective queried us; it then sends a
@@ -484,7 +515,6 @@ class AgreementGuard:
         those that queried us, or (``only_queried``) only the latter.
         """
         status = MPI.Status()
-        deadlines = values[2::3]
         pending = set() if only_queried else {r for r, d in enumerate(deadlines) if d < arrival and r != self.rank}
         givers: list[int] = []
         their_limit = self._limit(timeout)

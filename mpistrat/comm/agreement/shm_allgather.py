@@ -43,53 +43,85 @@ class ShmAllgather:
 
     def __init__(self, comm: MPI.Comm, send: np.ndarray, recv: np.ndarray) -> None:
         n = comm.Get_size()
-        # Every rank's two slots, a cache line each, in one table in rank 0's segment: a round's
-        # values are copied out in one go.
-        # Freed with its guard (collectively, unless broken), never at exit.
-        self._window = SharedWindow(comm, n * 2 * _LINE_ITEMS * 8 if comm.Get_rank() == 0 else 0, free_at_exit=False)
+        me = comm.Get_rank()
+        # The slots of one parity, a cache line per rank, back to back in one table in rank 0's segment:
+        # a round's values are read in one go. Freed with its guard (collectively, unless broken), never
+        # at exit.
+        self._window = SharedWindow(comm, 2 * n * _LINE_ITEMS * 8 if me == 0 else 0, free_at_exit=False)
         self._sync = self._window.win.Sync
-        table = self._window.view(0, np.int64, 0, n * 2 * _LINE_ITEMS).reshape(n, 2, _LINE_ITEMS)
-        self._mine = table[comm.Get_rank()]
-        self._rounds = [table[:, parity, 0] for parity in (0, 1)]  # per slot parity: each rank's round
-        self._values = [table[:, parity, 1:_SLOT_ITEMS] for parity in (0, 1)]
+        table = self._window.view(0, np.int64, 0, 2 * n * _LINE_ITEMS).reshape(2, n, _LINE_ITEMS)
+        self._values = [table[parity, :, 1:_SLOT_ITEMS] for parity in (0, 1)]
+        # The table as Python sees it item by item: a memoryview reads and writes one int64 several
+        # times faster than NumPy's scalar indexing, and the polls are what a waiting rank repeats.
+        self._items = memoryview(self._window.segment(0)).cast("q")
+        self._mine = [(parity * n + me) * _LINE_ITEMS for parity in (0, 1)]  # my slot's first item
+        self._rounds = [[(parity * n + r) * _LINE_ITEMS for r in range(n)] for parity in (0, 1)]
+        self._lines = [(parity * n * _LINE_ITEMS, (parity + 1) * n * _LINE_ITEMS) for parity in (0, 1)]
         self._send = send
         self._recv = recv.reshape(n, 3)
         self._round = 0
         self._next = 0  # ranks below this one have posted the current round
         self._done = True
 
+    #: :meth:`values` holds rank r's fingerprint, aux and deadline at ``STRIDE * r + 1``, ``+ 2``, ``+ 3``.
+    STRIDE = _LINE_ITEMS
+
     def Start(self) -> None:  # noqa: N802  (mpi4py's request API)
         """Post this rank's ``send`` for the next round (RuntimeError while the last one is incomplete,
         as MPI refuses to start an active request: a peer could still be reading its slot)."""
+        h, aux, deadline = self._send.tolist()
+        self.post(h, aux, deadline)
+
+    def post(self, h: int, aux: int, deadline: int) -> "ShmAllgather":
+        """:meth:`Start` with this rank's three values given (``send`` is not read); returns itself."""
         if not self._done:
             raise RuntimeError(f"ShmAllgather.Start: round {self._round} has not completed")
-        self._round += 1
-        slot = self._mine[self._round & 1]
-        slot[1:_SLOT_ITEMS] = self._send
+        self._round = current = self._round + 1
+        base = self._mine[current & 1]
+        items = self._items
+        items[base + 1] = h
+        items[base + 2] = aux
+        items[base + 3] = deadline
         self._sync()  # the values before the round number
-        slot[0] = self._round
+        items[base] = current
         self._next = 0
         self._done = False
+        return self
+
+    def poll(self) -> bool:
+        """Whether every rank posted the current round (then :meth:`values` returns them; ``recv`` is
+        not written)."""
+        if self._done:
+            return True
+        current = self._round
+        rounds = self._rounds[current & 1]
+        items = self._items
+        i, n = self._next, len(rounds)
+        while i < n:
+            if items[rounds[i]] != current:
+                self._next = i
+                return False
+            i += 1
+        self._sync()  # the round numbers before the values
+        self._done = True
+        return True
+
+    def values(self) -> list[int]:
+        """The completed round's lines, every rank's values in them (see :attr:`STRIDE`)."""
+        lo, hi = self._lines[self._round & 1]
+        return self._items[lo:hi].tolist()
 
     def Test(self) -> bool:  # noqa: N802
         """Whether every rank posted the current round (then ``recv`` holds the values)."""
         if self._done:
             return True
-        current, parity = self._round, self._round & 1
-        rounds = self._rounds[parity]
-        i, n = self._next, rounds.shape[0]
-        while i < n:
-            if rounds[i] != current:
-                self._next = i
-                return False
-            i += 1
-        self._sync()  # the round numbers before the values
-        np.copyto(self._recv, self._values[parity])
-        self._done = True
+        if not self.poll():
+            return False
+        np.copyto(self._recv, self._values[self._round & 1])
         return True
 
     def Free(self) -> None:  # noqa: N802
         """Free the shared memory (collective)."""
-        self._mine = None  # no views left: the window can be unmapped
-        self._rounds = self._values = []
+        self._items.release()  # no views left: the window can be unmapped
+        self._values = []
         self._window.free()

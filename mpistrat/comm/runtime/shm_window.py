@@ -32,6 +32,7 @@ __all__ = [
 
 PAGE_SIZE = mmap.PAGESIZE
 _CACHE_LINE = 64
+_LINE_ITEMS = _CACHE_LINE // 8  # int64 per cache line
 
 # Open windows in creation order (strong references: a window is freed only
 # collectively, never by the garbage collector at a rank-dependent time).
@@ -219,9 +220,11 @@ class CounterSync(NodeSync):
         self._data_win = window.win
         n = comm.Get_size()
         self._counters = SharedWindow(comm, n * _CACHE_LINE if comm.Get_rank() == 0 else 0)
-        self._ctr: np.ndarray | None = self._counters.view(0, np.int64, 0, n * _CACHE_LINE // 8).reshape(n, -1)
-        self._me = comm.Get_rank()
-        self._others = [r for r in range(n) if r != self._me]
+        # Item k * 8 is rank k's counter, one cache line each; a memoryview reads and writes one int64
+        # several times faster than NumPy's scalar indexing, and the polls are what a waiting rank repeats.
+        self._ctr: memoryview | None = memoryview(self._counters.segment(0)).cast("q")
+        self._me = comm.Get_rank() * _LINE_ITEMS
+        self._others = [r * _LINE_ITEMS for r in range(n) if r != comm.Get_rank()]
         self._epoch = 0
         self.waiter = Waiter(default_spin(n), None) if waiter is None else waiter
         self.timeout = timeout
@@ -234,7 +237,7 @@ class CounterSync(NodeSync):
         """Whether every peer's counter has reached this epoch, read after a memory barrier."""
         self._sync_counters()
         ctr, others, epoch, i = self._ctr, self._others, self._epoch, self._waiting
-        while i < len(others) and ctr[others[i], 0] >= epoch:
+        while i < len(others) and ctr[others[i]] >= epoch:
             i += 1
         self._waiting = i
         return i == len(others)
@@ -246,11 +249,11 @@ class CounterSync(NodeSync):
         self._epoch += 1
         epoch = self._epoch
         self._data_win.Sync()  # this rank's data stores before its counter
-        ctr[self._me, 0] = epoch
+        ctr[self._me] = epoch
         self._sync_counters()
         others = self._others
         i = 0
-        while i < len(others) and ctr[others[i], 0] >= epoch:
+        while i < len(others) and ctr[others[i]] >= epoch:
             i += 1
         if i < len(others):
             self._waiting = i
@@ -260,13 +263,15 @@ class CounterSync(NodeSync):
 
     def _raise_timeout(self, epoch: int) -> None:
         assert self._ctr is not None
-        missing = [self._names[r] for r in self._others if self._ctr[r, 0] < epoch]
+        missing = [self._names[r // _LINE_ITEMS] for r in self._others if self._ctr[r] < epoch]
         raise TimeoutError(
             f"node shared-memory synchronisation waited more than {self.timeout} s; "
             f"rank(s) {missing} never arrived (epoch {epoch})"
         )
 
     def free(self) -> None:
+        if self._ctr is not None:
+            self._ctr.release()  # no view left: the counters' window can be unmapped
         self._ctr = None
         self._counters.free()
 

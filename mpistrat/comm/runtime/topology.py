@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from mpistrat import config
 from mpistrat.comm.errors import allgather_checked
-from mpistrat.comm.runtime.waiter import Waiter, default_spin, default_yields, ranks_outnumber_cores
+from mpistrat.comm.runtime.waiter import SPIN_POLLS, Waiter, default_yields, ranks_outnumber_cores
 
 __all__ = ["NodeLayout", "Topology", "node_layout", "resolve_pretend_nodes", "topology"]
 
@@ -130,6 +130,8 @@ def topology(comm: MPI.Comm, pretend_nodes: int | None = None) -> Topology:
             machine_size, oversubscribed = machine.Get_size(), ranks_outnumber_cores(machine)
         finally:
             machine.Free()
-    # The machine's ranks, not its pretend node's, compete for its cores.
-    waiter = Waiter(default_spin(machine_size), default_yields(oversubscribed))
+    # The machine's ranks, not its pretend node's, compete for its cores: a rank spins only where every
+    # rank has a core of its own (ranks bound one to a core each included), so a spin never keeps the
+    # rank it waits for off the CPU.
+    waiter = Waiter(0 if oversubscribed else SPIN_POLLS, default_yields(oversubscribed))
     return Topology(layout, machine_size, oversubscribed, waiter)

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 __all__ = [
     "SLEEP_SECONDS",
+    "SPIN_POLLS",
     "OVERSUBSCRIBED_YIELDS",
     "MAX_IDLE_SLEEP",
     "Waiter",

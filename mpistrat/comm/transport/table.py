@@ -35,6 +35,7 @@ Factory = Callable[[TransportContext], Union[Transport, None]]
 # A name -> a factory ``(TransportContext) -> Transport | None`` (None: it does not apply here, say one
 # rank per node) or a ``"module:attr"`` string imported on first use (an ImportError skips it).
 FACTORIES: dict[str, Factory | str] = {
+    "shm-small": "mpistrat.comm.transport.shm.small:SmallShmTransport.create",
     "shm": "mpistrat.comm.transport.shm.allreduce:ShmTransport.create",
     "mpi": MpiTransport.create,
     "device-mpi": DeviceMpiTransport.create,
@@ -47,7 +48,7 @@ _I = CommunicationImplementation
 # A row names, for one memory kind (HOST: NumPy buckets; DEVICE: CuPy buckets and other
 # ``__cuda_array_interface__`` buffers) and one CommunicationImplementation, the transports to try in order.
 PREFERENCES: dict[tuple[str, CommunicationImplementation], tuple[str, ...]] = {
-    (HOST, _I.AUTO): ("shm", "mpi"),
+    (HOST, _I.AUTO): ("shm-small", "shm", "mpi"),  # shm-small: one synchronisation, on one node
     (HOST, _I.SHM): ("shm", "mpi"),
     (HOST, _I.MPI): ("mpi",),
     (HOST, _I.RING): ("mpi",),

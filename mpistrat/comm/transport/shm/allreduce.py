@@ -29,6 +29,7 @@ from mpistrat.comm.transport.shm.settings import agree_settings, read_settings
 
 __all__ = [
     "ShmTransport",
+    "COMPLEX_DTYPES",
     "DIRECT_MAX_BYTES",
     "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
     "MIN_BYTES",
@@ -40,6 +41,7 @@ SUPPORTED_DTYPES = frozenset(
     for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64")
 )
 _COMPLEX = frozenset(np.dtype(t) for t in ("complex64", "complex128"))  # sum only
+COMPLEX_DTYPES = _COMPLEX
 
 # The smallest bucket this path takes by default (MPISTRAT_SHM_MIN_BYTES=auto): below it MPI's own
 # shared-memory all-reduce is as fast (benchmarks/README.md). A fixed rule, not a measurement: the
@@ -162,21 +164,27 @@ class ShmTransport(Transport):
         oversubscribed = self.topology.oversubscribed
         direct = DIRECT_MAX_BYTES_OVERSUBSCRIBED if oversubscribed else DIRECT_MAX_BYTES
         pushes = lay.num_nodes == 1 and lay.local_size > 1  # owners push results into every segment
+        self._pushes = pushes
         self.direct_max_bytes = direct if pushes else -1
         # allreduce_array's results in shared memory, written by the owners (results.py).
         self.result_blocks = ResultBlocks(lay.node_comm, pushes, self.direct_max_bytes, SLOTS * self.max_bytes)
-        self.chunk_bytes: int | None = agreed.chunk_bytes  # None: measured at the first long array
+        self.chunk_bytes: int | None = None  # None: measured at the first long array (_set_chunk_bytes)
         self.chunk_calibration: list[tuple[int, float, float]] = []  # (bytes, one pass s, chunked s)
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
         self._sync: NodeSync | None = None
         self._capacity = 0  # bytes per bucket per rank
         self._views: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        # Per (count, dtype) seen: this rank's staging view and every segment's, for both buckets (the
+        # hot path slices nothing); cleared with the views when the window grows.
+        self._staging: dict[tuple[int, Any], tuple[tuple[np.ndarray, np.dtype], ...]] = {}
+        self._segments: dict[tuple[int, np.dtype], tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self._tmp: dict[np.dtype, np.ndarray] = {}
         self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._plans: dict[tuple[int, np.dtype, int], ReducePlan] = {}
         self._bucket = 0
         self._pending: tuple[int, np.dtype] | None = None
+        self._win_sync: Any = None  # the window's Win.Sync, bound
         self._closed = False
         if agreed.min_bytes is not None:
             self.min_bytes = agreed.min_bytes
@@ -184,6 +192,8 @@ class ShmTransport(Transport):
             self.min_bytes = self.max_bytes + 1  # one rank per node: nothing to share, plain MPI
         else:
             self.min_bytes = MIN_BYTES
+        self._one_pass_max = self.direct_max_bytes  # see _set_chunk_bytes
+        self._set_chunk_bytes(agreed.chunk_bytes)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
@@ -215,6 +225,10 @@ class ShmTransport(Transport):
 
     def pack_buffer(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A 1-D view of ``count`` items in this rank's segment, to pack into."""
+        staged = self._staging.get((count, dtype))
+        if staged is not None:  # seen before: checked, and the window holds it
+            view, self._pending = staged[self._bucket]
+            return view
         dtype = self._check_dtype(dtype, "sum")
         count = int(count)
         nbytes = count * dtype.itemsize
@@ -224,8 +238,14 @@ class ShmTransport(Transport):
                 f"[0, max_bytes={self.max_bytes}]; split the bucket or use plain MPI"
             )
         self._ensure_capacity(nbytes)
-        self._pending = (count, dtype)
-        return self._typed(self._bucket, dtype)[self._local_rank()][:count]
+        lr = self._local_rank()
+        buckets = (0, 1) if self.direct_max_bytes >= 0 else (0, 0)  # a window of one bucket: see _ensure_capacity
+        staged = tuple((self._typed(b, dtype)[lr][:count], (count, dtype)) for b in buckets)
+        if len(self._staging) >= _PLAN_CACHE:
+            self._staging.clear()
+        self._staging[(count, dtype)] = staged
+        view, self._pending = staged[self._bucket]
+        return view
 
     def allreduce_packed(
         self, count: int, dtype: np.dtype, op: str, hook: AgreementHook = NO_AGREEMENT, out: np.ndarray | None = None
@@ -244,21 +264,27 @@ class ShmTransport(Transport):
             result = self._scratch.get(count, dtype) if out is None else out
             self._sum_all(count, dtype, ufunc, result, synced)
             return result
-        reduced = self._reduce_scatter(count, dtype, ufunc, op, synced=synced)
+        reduced = self._reduce_scatter(count, dtype, ufunc, op, synced=synced, into=out)
         if out is None:
             return reduced
-        np.copyto(out, reduced)
+        self._copy_others(reduced, out, count, dtype.itemsize)
         return out
 
     def _sum_all(self, count: int, dtype: np.dtype, ufunc: np.ufunc, out: np.ndarray, synced: bool) -> None:
         """The one-synchronisation reduce: every rank sums every segment into ``out``."""
         if count == 0:
             return
-        views = self._typed(self._bucket, dtype)
+        segments = self._segments.get((count, dtype))
+        if segments is None:
+            segments = self._segments[(count, dtype)] = tuple(
+                [v[:count] for v in self._typed(b, dtype)] for b in (0, 1))
         assert self._sync is not None
         if not synced:
             self._sync.wait()
-        _sum_segments(ufunc, views, 0, count, out)
+        views = segments[self._bucket]
+        ufunc(views[0], views[1], out=out)  # local-rank order, the reduce-scatter's: the same bits
+        for view in views[2:]:
+            ufunc(out, view, out=out)
         # No second synchronisation: a rank packs this bucket again at the earliest two calls
         # later, with at least one synchronisation between, which every rank reaches only once
         # it has finished reading here (two-synchronisation calls stay on the other bucket).
@@ -267,12 +293,16 @@ class ShmTransport(Transport):
     def _reduce_scatter(
         self, count: int, dtype: np.dtype, ufunc: np.ufunc, op: str, own: np.ndarray | None = None,
         synced: bool = False, shared: SharedResults | None = None, offset: int = 0,
+        into: np.ndarray | None = None,
     ) -> np.ndarray:
         """Steps 1-4 of the class docstring; the result, a view of this rank's segment. ``own``: this
         rank's data in private memory, read for its own slice instead of its segment (which then need
         not hold it). ``synced``: step 1's synchronisation already happened (the agreement check stood
         for it). ``shared`` (with ``own``, on one node): the ranks' published result blocks, written from
-        item ``offset`` instead of the window segments of the ranks that published one."""
+        item ``offset`` instead of the window segments of the ranks that published one. ``into`` (private
+        memory, on one node, without ``shared``): this rank's slice of the result is summed straight into
+        it instead of the segment (whose slice then holds nothing: :meth:`_copy_others` copies the rest),
+        so the slice is written once instead of written, read and written again."""
         key = (self._bucket, dtype, count)
         plan = self._plans.get(key)
         if plan is None:
@@ -288,6 +318,11 @@ class ShmTransport(Transport):
         results = shared.targets() if shared is not None else None
         if results is not None:
             mine = results.pop(lr)
+            into = None
+        elif into is not None and self._pushes:  # one node: see _copy_others
+            mine = None
+        else:
+            mine = into = None
         for srcs, dst, back, targets, start, end in plan.blocks:
             if own is not None:
                 srcs = srcs[:lr] + (own[start:end],) + srcs[lr + 1 :]
@@ -296,6 +331,11 @@ class ShmTransport(Transport):
                 if mine is not None:
                     dst, back = mine[s:e], None
                 targets = tuple(t if r is None else r[s:e] for r, t in zip(results, targets))
+            elif into is not None:
+                if back is None:
+                    dst = into[start:end]
+                else:  # summed aside: own is read late in the order, and may be into (in place)
+                    back = into[start:end]
             ufunc(srcs[0], srcs[1], out=dst)
             for src in srcs[2:]:
                 ufunc(dst, src, out=dst)
@@ -325,9 +365,16 @@ class ShmTransport(Transport):
         chunk's) data is in its segment, or before staging when the window must grow or chunks be
         measured first (both collective).
         """
-        source = (dst if src is MPI.IN_PLACE else src).reshape(-1)
         out = dst.reshape(-1)
+        source = out if src is MPI.IN_PLACE else src.reshape(-1)
         count, dtype = out.shape[0], out.dtype
+        if count * dtype.itemsize <= self._one_pass_max and (count, dtype) in self._segments:
+            # Reduced before at this size: one pass, one synchronisation, no shared result blocks.
+            if hook is not NO_AGREEMENT and not self._staged_without_collectives(count, dtype):
+                hook.staged(first=False)
+                hook = NO_AGREEMENT
+            self._allreduce_contiguous(source, out, op, hook)
+            return
         if hook is not NO_AGREEMENT and not self._staged_without_collectives(count, dtype):
             hook.staged(first=False)
             hook = NO_AGREEMENT
@@ -345,6 +392,8 @@ class ShmTransport(Transport):
         """Whether ``allreduce_array`` of ``count`` items stages its data before any collective call
         (neither growing the window nor measuring chunks first)."""
         nbytes = count * dtype.itemsize
+        if nbytes <= self._one_pass_max and (count, dtype) in self._segments:
+            return True  # reduced before in one pass: the window holds it
         measuring = self.chunk_bytes is None and nbytes >= calibration.CHUNK_MEASURE_MIN
         if self.chunk_bytes:  # staged chunk by chunk: the window needs to hold one chunk
             nbytes = min(nbytes, self.chunk_bytes // dtype.itemsize * dtype.itemsize)
@@ -378,8 +427,9 @@ class ShmTransport(Transport):
             lay = self.layout
             key = (group_key(lay.comm), lay.num_nodes, lay.local_size, self.owners, self.sync_kind,
                    self.max_bytes)
-            self.chunk_bytes, self.chunk_calibration = calibration.measure_chunks(
+            chunk_bytes, self.chunk_calibration = calibration.measure_chunks(
                 lay.comm, key, lambda src, dst, chunk: self.reduce_in_chunks(src, dst, "sum", chunk), count, dtype)
+            self._set_chunk_bytes(chunk_bytes)
         return self.chunk_bytes // dtype.itemsize
 
     def _allreduce_contiguous(
@@ -400,22 +450,43 @@ class ShmTransport(Transport):
         np.copyto(buf[hi:], source[hi:])
         synced = self._staged(hook)
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
-        reduced = self._reduce_scatter(count, dtype, ufunc, op, source, synced, shared, offset)
-        if shared is not None and shared.published != PRIVATE:
+        private = shared is None or shared.published == PRIVATE
+        reduced = self._reduce_scatter(count, dtype, ufunc, op, source, synced, shared, offset,
+                                       into=out if shared is None else None)
+        if not private:
             return  # the owners wrote the result into out
-        np.copyto(out, reduced)
+        if shared is None:
+            self._copy_others(reduced, out, count, dtype.itemsize)
+        else:
+            np.copyto(out, reduced)
 
     def _staged(self, hook: AgreementHook) -> bool:
         """Tell ``hook`` this rank's data is in its segment; whether the agreement check synchronised
         the node (every rank had staged), so the next synchronisation is skipped."""
         if hook is NO_AGREEMENT:
             return False
-        assert self._window is not None
-        self._window.sync()  # our stores to the segment before the check's (shared-memory) announcement
+        sync = self._win_sync
+        sync()  # our stores to the segment before the check's (shared-memory) announcement
         if hook.staged():
-            self._window.sync()  # and the peers' stores before our loads
+            sync()  # and the peers' stores before our loads
             return True
         return False
+
+    def _copy_others(self, reduced: np.ndarray, out: np.ndarray, count: int, itemsize: int) -> None:
+        """Copy the reduce-scatter's result from this rank's segment (``reduced``) into ``out``, but for
+        this rank's own slice where the reduce-scatter summed it into ``out`` already (``into``: one node)."""
+        lo, hi = self._own_slice(count, itemsize) if self._pushes else (0, 0)
+        if lo < hi:
+            np.copyto(out[:lo], reduced[:lo])
+            np.copyto(out[hi:], reduced[hi:])
+        else:
+            np.copyto(out, reduced)
+
+    def _set_chunk_bytes(self, chunk_bytes: int | None) -> None:
+        """Set ``chunk_bytes``, and the largest array reduced in one pass with one synchronisation."""
+        self.chunk_bytes = chunk_bytes
+        one_pass = self.direct_max_bytes
+        self._one_pass_max = min(one_pass, chunk_bytes) if chunk_bytes else one_pass
 
     def _own_slice(self, count: int, itemsize: int) -> tuple[int, int]:
         """The items ``[lo, hi)`` this rank sums in the reduce-scatter (empty when it owns
@@ -451,6 +522,8 @@ class ShmTransport(Transport):
             return
         self._closed = True
         self._views.clear()
+        self._staging.clear()
+        self._segments.clear()
         self._plans.clear()
         self._tmp.clear()
         self._pending = None
@@ -483,7 +556,7 @@ class ShmTransport(Transport):
             self._sync = None
         if self._window is not None:
             self._window.free()
-            self._window = None
+            self._window = self._win_sync = None
 
     def _ensure_capacity(self, nbytes: int) -> None:
         if nbytes <= self._capacity and self._window is not None:
@@ -495,10 +568,13 @@ class ShmTransport(Transport):
         cap = min(cap, max(self.max_bytes, PAGE_SIZE))
         cap = (max(cap, nbytes) + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
         self._views.clear()
+        self._staging.clear()
+        self._segments.clear()
         self._plans.clear()
         self._free_window()
         buckets = 2 if self.direct_max_bytes >= 0 else 1  # without one-synchronisation reduces, one bucket
         self._window = SharedWindow(self.layout.node_comm, buckets * cap)
+        self._win_sync = self._window.win.Sync
         names = self.layout.node_comm.allgather(self.layout.comm.Get_rank())
         kw = {"timeout": self.timeout_seconds, "rank_names": names, "waiter": self.waiter}
         kw = kw if self.sync_kind == "counter" else {}
