@@ -440,3 +440,22 @@ def test_a_program_ends_with_unread_handles_and_below_thread_multiple(tmp_path, 
     assert job.returncode == 0, job.output
     assert job.output.count("ends") == 2, job.output
     assert "Traceback" not in job.output and "exited" not in job.output, job.output
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mean_against_sum_is_a_mismatch_as_for_the_blocking_call():
+    # The check covers the logical op: MEAN (a sum and its divisor) is not SUM.
+    comm = world()
+    strategy = ms.MultiWorkerMirroredStrategy()
+    op = "mean" if comm.rank == 0 else "sum"
+
+    def step():
+        handle = ms.get_replica_context().experimental_all_reduce_async(op, np.ones(3))
+        with pytest.raises(CollectiveMismatchError, match="Mismatched allreduce") as info:
+            handle.result()
+        with pytest.raises(CollectiveMismatchError) as blocking:
+            ms.get_replica_context().all_reduce(op, np.ones(3))
+        return str(info.value).split(": ", 1)[1], str(blocking.value).split(": ", 1)[1]
+
+    asynchronous, blocking = strategy.run(step)
+    assert asynchronous == blocking and "mean" in asynchronous, (asynchronous, blocking)
