@@ -61,6 +61,9 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
         block, views = step.pool.get()
         transport.allreduce_packed(b.count, b.dtype, op, hook, block)
         hook = NO_AGREEMENT
+        if step.whole:  # the call's arrays in order: the pool's views, in a list of the caller's own
+            results = list(views)
+            continue
         for i, v in zip(b.members, views):
             results[i] = v
     if hook is not NO_AGREEMENT:  # no steps (no arrays): the check still runs

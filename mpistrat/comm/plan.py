@@ -24,7 +24,7 @@ PLAN_CACHE_MAX = 512
 class Step:
     """One bucket of an all-reduce plan and the transport that reduces it."""
 
-    __slots__ = ("bucket", "kind", "transport", "xp", "direct", "pool", "members", "_src", "_src_views")
+    __slots__ = ("bucket", "kind", "transport", "xp", "direct", "whole", "pool", "members", "_src", "_src_views")
 
     def __init__(self, bucket: Bucket, kind: int, transport: Transport, xp: Any) -> None:
         self.bucket = bucket
@@ -33,6 +33,7 @@ class Step:
         self.xp = xp
         self.members = bucket.members
         self.direct = len(bucket.members) == 1  # one array: reduced without packing
+        self.whole = False  # the plan's only step, its members the call's arrays in order (Planner.plan)
         # Results of one array may go straight into blocks the transport shares (shm/results.py).
         shared = transport.result_blocks if self.direct and kind == HOST else None
         self.pool = ResultPool(bucket, xp, shared=shared) if kind != CAI else None
@@ -141,6 +142,8 @@ class Planner:
             for b in buckets:
                 transport = next(t for t in transports if t.enabled(b.nbytes, b.dtype, op))
                 steps.append(Step(b, kind, transport, xp))
+        if len(steps) == 1 and steps[0].members == tuple(range(len(sig))):
+            steps[0].whole = True
         if len(self._plans) >= PLAN_CACHE_MAX:
             self._plans.clear()
             self.singles.clear()

@@ -179,6 +179,7 @@ class ShmTransport(Transport):
         # hot path slices nothing); cleared with the views when the window grows.
         self._staging: dict[tuple[int, Any], tuple[tuple[np.ndarray, np.dtype], ...]] = {}
         self._segments: dict[tuple[int, np.dtype], tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._slices: dict[tuple[int, int], tuple[int, int]] = {}  # _own_slice's answers
         self._tmp: dict[np.dtype, np.ndarray] = {}
         self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._plans: dict[tuple[int, np.dtype, int], ReducePlan] = {}
@@ -419,12 +420,19 @@ class ShmTransport(Transport):
         """Items per chunk for an array of ``count`` (0: one pass). When ``chunk_bytes`` was left to
         measurement, the first array of at least ``CHUNK_MEASURE_MIN`` bytes decides it (collective:
         every rank reduces the same array; the communicator sends every rank's single arrays here,
-        whatever their memory layout)."""
+        whatever their memory layout). On one node, or two, chunks never change the order in which
+        values are summed; across three nodes or more they cut the slices MPI reduces across nodes,
+        and MPI may choose its algorithm, so the order, by message size: there ``auto`` takes the
+        default chunk, never a measurement, so a program gives the same bits on an idle machine and a
+        loaded one."""
         if self.chunk_bytes is None:
             if self._closed or count * dtype.itemsize < calibration.CHUNK_MEASURE_MIN:
                 return 0
             assert self.layout is not None
             lay = self.layout
+            if lay.num_nodes >= 3:
+                self._set_chunk_bytes(calibration.AUTO_CHUNK_BYTES)
+                return self.chunk_bytes // dtype.itemsize
             key = (group_key(lay.comm), lay.num_nodes, lay.local_size, self.owners, self.sync_kind,
                    self.max_bytes)
             chunk_bytes, self.chunk_calibration = calibration.measure_chunks(
@@ -491,12 +499,20 @@ class ShmTransport(Transport):
     def _own_slice(self, count: int, itemsize: int) -> tuple[int, int]:
         """The items ``[lo, hi)`` this rank sums in the reduce-scatter (empty when it owns
         none, or is alone on its node: then its segment is the slice, summed with nothing)."""
+        got = self._slices.get((count, itemsize))
+        if got is not None:
+            return got
         lr = self._local_rank()
         assert self.layout is not None
         if lr >= self.owners or self.layout.local_size < 2:
-            return 0, 0
-        bounds = self._bounds(count, itemsize)
-        return bounds[lr], bounds[lr + 1]
+            got = (0, 0)
+        else:
+            bounds = self._bounds(count, itemsize)
+            got = (bounds[lr], bounds[lr + 1])
+        if len(self._slices) >= _PLAN_CACHE:
+            self._slices.clear()
+        self._slices[(count, itemsize)] = got
+        return got
 
     def _take_pending(self, count: int, dtype: np.dtype, op: str, what: str) -> tuple[np.ufunc, np.dtype]:
         """Check that ``pack_buffer(count, dtype)`` came first and ``op`` fits; the ufunc and dtype."""
