@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -181,6 +181,18 @@ class RankCommunicator:
         if self._closed and self._guard is None:
             raise RuntimeError("RankCommunicator used after close()")
         return self._agreement.agree(key, timeout, aux, error, h)
+
+    def fail_collective(self, name: str, error: Exception, options: CommunicationOptions | None = None) -> NoReturn:
+        """Take part in the collective ``name`` the peers are calling with a local ``error`` instead: every rank
+        raises (this one ``error``, the others a mismatch naming it).
+
+        For a caller that failed before its collective (converting or reducing its own input):
+        raising alone would leave the peers waiting, or pair this rank's next collective with
+        theirs and combine the wrong data.
+        """
+        timeout = self._timeout if options is None else self._settings(options)[0]
+        self._agree((name, (), ()), timeout, error=error)
+        raise error  # one rank: the agreement had no one to tell
 
     def _record(self, name: str, t0: float, nbytes: int, **args: Any) -> None:
         """A ``collective`` timeline event from ``t0`` to now (wait = the check)."""

@@ -6,7 +6,7 @@ destination devices) and differs only in its two local primitives.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 
@@ -21,6 +21,7 @@ __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "HierarchicalCopyAllReduce"
 
 CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
 _NDARRAY_ONLY = {np.ndarray}
+_NUMERIC_KINDS = frozenset("biufc")  # what the fast path hands the communicator unconverted
 
 
 def _as_array(value: Any) -> Any:
@@ -148,7 +149,10 @@ class CrossDeviceOps:
         num_leaves = len(per_replica_leaves[0]) if num_local else 0
         if num_leaves == 0:
             return [[] for _ in range(num_local)]
-        per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
+        try:
+            per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
+        except Exception as exc:
+            self._fail_everywhere(exc, options)
         reduced = self._reduce_to_one(reduce_op, per_replica_leaves, devices, options)
         if num_local == 1:
             return [list(reduced)]
@@ -160,7 +164,7 @@ class CrossDeviceOps:
         wrap, convert, reduce locally or spread)."""
         comm = self._communicator
         if (comm is None or comm.size == 1 or len(devices) != 1 or self.check_numerics
-                or arrays.as_array(value, what="all_reduce") is not value):
+                or value.dtype.kind not in _NUMERIC_KINDS or not value.dtype.isnative):
             return self.batch_all_reduce(reduce_op, [[value]], devices, options)[0][0]
         reduced = comm.allreduce([value], reduce_op.wire, options, divisor=self._divisor(reduce_op, 1))[0]
         return _divide(reduced, self._global_count(1)) if reduce_op is ReduceOp.MEAN else reduced
@@ -182,9 +186,12 @@ class CrossDeviceOps:
         num_local = len(per_replica_leaves)
         if num_local == 0 or not per_replica_leaves[0]:
             return InFlightReduction(None, [], lambda _: [[] for _ in range(num_local)])
-        per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
         op = ReduceOp.from_string(reduce_op)
-        reduced, owned = self._reduce_locally(op, per_replica_leaves, devices)
+        try:
+            per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
+            reduced, owned = self._reduce_locally(op, per_replica_leaves, devices)
+        except Exception as exc:
+            self._fail_everywhere(exc, options)
         comm = self._communicator
         pending = None
         if comm is not None and comm.size > 1:
@@ -225,8 +232,11 @@ class CrossDeviceOps:
         num_local = len(local[0])
         if any(len(x) != num_local for x in local):
             raise ValueError("All values in batch_reduce must have the same number of local replicas")
-        per_replica = [arrays.as_arrays([local[k][i] for k in range(len(values))], what="reduce")
-                       for i in range(num_local)]
+        try:
+            per_replica = [arrays.as_arrays([local[k][i] for k in range(len(values))], what="reduce")
+                           for i in range(num_local)]
+        except Exception as exc:
+            self._fail_everywhere(exc, options)
         source_devices = (list(replica_devices) if replica_devices is not None and len(replica_devices) == num_local
                           else [dev.device_of(leaves[0]) for leaves in per_replica])
         # Reduce everything onto the first replica's device, then place on the destinations.
@@ -254,7 +264,10 @@ class CrossDeviceOps:
         """Every replica's leaves (converted by ``arrays.as_arrays``) reduced over all replicas, on one device."""
         op = ReduceOp.from_string(reduce_op)
         num_local = len(per_replica)
-        reduced, owned = self._reduce_locally(op, per_replica, devices)
+        try:
+            reduced, owned = self._reduce_locally(op, per_replica, devices)
+        except Exception as exc:
+            self._fail_everywhere(exc, options)
         comm = self._communicator
         if comm is not None and comm.size > 1:
             # MEAN goes as a sum, divided below; its divisor is part of the agreement check, so ranks
@@ -264,6 +277,15 @@ class CrossDeviceOps:
             n = self._global_count(num_local)
             reduced = [_divide(r, n) for r in reduced]
         return reduced
+
+    def _fail_everywhere(self, error: Exception, options: Any) -> NoReturn:
+        """Raise ``error``, met in this rank's own stage (converting or reducing its replicas), on every rank:
+        the peers are in the all-reduce's agreement, and raising here alone would leave them waiting or pair
+        this rank's next collective with their current one."""
+        comm = self._communicator
+        if comm is not None and comm.size > 1:
+            comm.fail_collective("allreduce", error, options)
+        raise error
 
     def _reduce_locally(self, op: ReduceOp, per_replica: list[list], devices: Sequence[str]) -> tuple[list, bool]:
         """The local replicas' leaves reduced onto one device (checked for NaN/Inf first when asked), and

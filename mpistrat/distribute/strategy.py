@@ -319,7 +319,12 @@ class StrategyExtended:
         results: list[Any] = [None] * len(value_destination_pairs)
         pending: list[tuple[int, PerReplica, Any]] = []
         for k, (value, destinations) in enumerate(value_destination_pairs):
-            how, payload = self._reduce_plan(value, op)
+            try:
+                how, payload = self._reduce_plan(value, op)
+            except Exception as exc:  # raised on every rank, so no rank waits or pairs the wrong reductions
+                if self._communicator is not None and self._num_workers > 1:
+                    self._communicator.fail_collective("allreduce", exc, options)
+                raise
             if how == "reduce":
                 pending.append((k, PerReplica(payload), destinations))
             elif _is_array_like(payload) or not (np.ndim(payload) == 0 and payload == 0):
