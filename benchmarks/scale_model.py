@@ -1,0 +1,671 @@
+"""Latency-bandwidth model of the all-reduce paths: fitted on 2-rank runs, checked on held-out ones, projected.
+
+    mpiexec -bind-to core -n 2 python benchmarks/scale_model.py --measure      # the run the fit uses
+    mpiexec -bind-to core -n 4 python benchmarks/scale_model.py --measure      # held out: 4 ranks
+    MPISTRAT_PRETEND_NODES=2 mpiexec -bind-to core -n 4 python benchmarks/scale_model.py --measure
+    python benchmarks/scale_model.py --predict [--net-latency-us 1.2] [--net-gbps 192]
+    python benchmarks/scale_model.py --all      # the three runs above, then --predict (1-2 minutes)
+
+``--measure`` times, with ``allreduce.py``'s method (warm-up; calls interleaved in a new random order
+per iteration, each after a barrier; the slowest rank's time; the median over iterations; the median
+over ``--repeats`` sweeps), for float32 sizes 4 KiB..64 MiB:
+
+* ``mpi``: raw ``Allreduce(IN_PLACE)``, MPI within the machine;
+* ``window``: the shared-memory window engine, ``ShmTransport`` on a bucket already packed, the
+  reduce-scatter at every size, its result left in the window (``allreduce.py``'s window column);
+  on pretend nodes, the hierarchical path;
+* probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
+  out=a)`` over the halves of an n-byte region of node shared memory / of a private array, every rank
+  at once), ``fault`` (first touch of a fresh n-byte anonymous mapping, up to 1 MiB) and the
+  duration of one of the waiter's sleeps.
+
+It merges the layout's medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs no
+MPI: it fits each path on the 2-rank run up to 1 MiB only, predicts every other measurement (2 ranks
+above 1 MiB, 4 ranks, 4 ranks on 2 pretend nodes) with its error, and projects the flat and the
+hierarchical path to clusters. Each path's form follows its code (benchmarks/README.md,
+"scale_model.py", has the sources):
+
+* window, one node: two node synchronisations (``a_w`` each; where ranks outnumber cores, a waiter's
+  sleep more) and, per rank, a pass over n bytes (its slice summed across the node's segments, then
+  pushed into the others: n read, n written): ``2 a_w + b_w n``;
+* MPI within a node: MPICH's reduce-scatter + all-gather (Rabenseifner), ``log2 p`` steps each way,
+  step k sending ``n / 2^k`` bytes (``a_m + b_m x``) and the reduce-scatter summing them, plus the
+  first-touch faults of MPICH's scratch buffer from 32 MiB (glibc maps allocations above its largest
+  mmap threshold afresh on every call);
+* hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes all-reduced
+  with MPI across the nodes, the push;
+* ranks that outnumber the machine's cores (4 on 2) multiply the work and the MPI steps by
+  ``ranks / cores``: each core runs its ranks' work one after the other.
+
+Two variants are checked: ``alpha-beta`` (constant per-byte costs) and ``+cache`` (the window's
+per-byte cost and the sums' grow beyond the fit's working set as the probes' pass cost grows: the
+fit's sizes stay in cache, the held-out ones do not). The projection uses ``+cache``.
+
+The network's latency and bandwidth are parameters. The defaults are a published HDR InfiniBand
+figure, not measured or validated here: Microsoft's HBv3-series performance page gives 1.2 us
+(1 byte) and 192 Gb/s one way (OSU ``osu_latency`` / ``osu_bw``) on 200 Gb/s HDR InfiniBand
+(https://learn.microsoft.com/azure/virtual-machines/hbv3-performance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+SIZES = [4096 << i for i in range(15)]  # 4 KiB .. 64 MiB, float32
+FIT_MAX = 1 << 20  # the fit uses the 2-rank run up to this size
+CHECK_MIN = 64 << 10  # predictions are judged from this size up
+TARGET = 0.20  # the issue's bound on a prediction's relative error
+FAULT_FIT_MIN = 256 << 10  # below, a mapping's fixed cost hides the faults
+PAGE = 4096
+# glibc (mallopt(3), M_MMAP_THRESHOLD): the dynamic threshold never rises above 4 MiB * sizeof(long),
+# so allocations of 32 MiB and more are mapped, first touched and unmapped on every call.
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+# MPICH's collective selection (maint/tuning/coll/ch4/generic.json, src/mpi/coll/coll_selection.json):
+# across nodes a commutative all-reduce of at most 32 KiB takes the node-aware composition (node
+# reduce, all-reduce of the node leaders, node broadcast); above, the flat reduce-scatter + all-gather.
+MPICH_COMPOSITION_MAX = 32 << 10
+# coll_selection.json: recursive doubling up to these sizes, reduce-scatter + all-gather above (built-in ops)
+MPICH_ALLREDUCE_SHORT = 8
+MPICH_IALLREDUCE_SHORT = 2048
+MPICH_REDUCE_SHORT = 2048  # binomial reduce up to it, reduce-scatter + gather above
+MPICH_BINOMIAL_BCAST_MAX = 12288  # coll_selection.json: binomial broadcast below it (and below 8 ranks)
+DEFAULT_NET_LATENCY_US = 1.2  # HBv3, HDR InfiniBand, osu_latency, 1 byte (module docstring)
+DEFAULT_NET_GBPS = 192.0  # HBv3, HDR InfiniBand (200 Gb/s line rate), osu_bw, one way
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_model.json")
+PATHS = ("mpi", "window")
+PROBES = ("shm_pass", "private_pass", "fault")
+FIT_LAYOUT = "2 ranks, 1 node"
+
+
+def human(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def layout_key(ranks: int, nodes: int, pretend: bool) -> str:
+    """The data file's key of a layout: ``"4 ranks, 2 pretend nodes"``."""
+    return f"{ranks} ranks, {nodes} {'pretend ' if pretend else ''}node{'s' if nodes > 1 else ''}"
+
+
+# -- measuring (under mpiexec) --------------------------------------------------------------------
+def _memory_probes(machine: Any, max_bytes: int) -> tuple[Callable, Callable, Callable, Any]:
+    """Setups ``size -> callable`` of the three probes, and the shared window to free afterwards."""
+    from mpi4py import MPI
+
+    win = MPI.Win.Allocate_shared(max_bytes, 4, comm=machine)
+    shared = np.frombuffer(win.tomemory(), dtype=np.float32)
+    shared[:] = 0  # first touch now, not in a timed pass
+    private = np.zeros(max_bytes // 4, dtype=np.float32)
+
+    def halves(buf: np.ndarray, size: int) -> Callable[[], None]:
+        a, b = buf[: size // 8], buf[size // 8 : size // 4]
+        return lambda: np.add(a, b, out=a)  # zeros: stays finite
+
+    def fault(size: int) -> Callable[[], None]:
+        def touch() -> None:
+            m = mmap.mmap(-1, size)
+            view = np.frombuffer(m, dtype=np.uint8)
+            view[::PAGE] = 1
+            del view
+            m.close()
+
+        return touch
+
+    return (lambda size: halves(shared, size)), (lambda size: halves(private, size)), fault, win
+
+
+def measure(args: argparse.Namespace) -> int:
+    """Time the paths and probes of this layout and merge the medians into ``args.data`` (collective)."""
+    from allreduce import choose_iters, samples  # the benchmarks' one method
+    from mpi4py import MPI
+
+    from mpistrat.comm.runtime.waiter import SLEEP_SECONDS
+    from mpistrat.comm.transport.shm.allreduce import ShmTransport
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        raise SystemExit("scale_model.py --measure: run it under mpiexec with 2 or more ranks")
+    problem = _data_problem(args.data) if world.Get_rank() == 0 else None
+    problem = world.bcast(problem, root=0)  # every rank stops, before any measurement, on rank 0's problem
+    if problem:
+        raise SystemExit(f"scale_model.py --measure: {problem}")
+    sizes = [s for s in SIZES if s <= args.max_size]
+    window = ShmTransport(world, min_bytes=0, max_bytes=max(sizes))
+    window.direct_max_bytes = -1  # the engine: the reduce-scatter at every size, as allreduce.py's window column
+    lay = window.layout
+    machine = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    cores = len(set().union(*machine.allgather(os.sched_getaffinity(0))))
+    machine_ranks = machine.Get_size()
+    shm_probe, private_probe, fault_probe, probe_win = _memory_probes(machine, max(sizes))
+    names = list(PATHS) + list(PROBES)
+    medians: dict[str, list[list[float]]] = {name: [[] for _ in sizes] for name in names}
+    iters: list[list[int]] = [[] for _ in sizes]
+    say = print if world.Get_rank() == 0 else (lambda *a, **k: None)
+    key = layout_key(world.Get_size(), lay.num_nodes, lay.pretend)
+    load_before = os.getloadavg()
+    say(f"# scale_model --measure: {key} ({lay.local_size} per node), {machine_ranks} ranks on {cores} cores; "
+        f"{args.repeats} sweeps, {args.budget} s per size", flush=True)
+    started = time.time()
+    for sweep in range(args.repeats):
+        for i, size in enumerate(sizes):
+            count = size // 4
+            buf = np.zeros(count, dtype=np.float32)
+
+            def mpi(buf: np.ndarray = buf) -> None:
+                world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+
+            def engine(count: int = count) -> None:
+                window.pack_buffer(count, np.float32)
+                window.allreduce_packed(count, np.float32, "sum")
+
+            fns = {"mpi": mpi, "window": engine, "shm_pass": shm_probe(size), "private_pass": private_probe(size)}
+            if size <= FIT_MAX:
+                fns["fault"] = fault_probe(size)
+            calls = list(fns.values())
+            n_iter = choose_iters(world, calls, args.budget)
+            times = samples(world, calls, n_iter)
+            for j, name in enumerate(fns):
+                medians[name][i].append(statistics.median(times[:, j]))
+            iters[i].append(n_iter)
+            say(f"  sweep {sweep + 1}/{args.repeats} {human(size):>9}: "
+                + " ".join(f"{name} {medians[name][i][-1] * 1e6:.1f}" for name in fns) + " us", flush=True)
+    sleep = world.allreduce(_sleep_cost(SLEEP_SECONDS), op=MPI.MAX)
+    run = {
+        "ranks": world.Get_size(), "nodes": lay.num_nodes, "local": lay.local_size, "pretend": lay.pretend,
+        "machine_ranks": machine_ranks, "cores": cores, "sizes": sizes,
+        "median_s": {name: [statistics.median(v) if v else None for v in medians[name]] for name in names},
+        "sweeps_s": medians, "iterations": iters, "sleep_s": sleep, "sleep_asked_s": SLEEP_SECONDS,
+        "window": window.describe(), "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "numpy": np.__version__, "when_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
+        "seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()],
+        "commit": _commit(), "argv": sys.argv,
+    }
+    window.close()
+    probe_win.Free()
+    machine.Free()
+    if world.Get_rank() == 0:
+        _merge(args.data, key, run)
+        say(f"# {key}: {run['seconds']} s, written to {args.data}")
+    return 0
+
+
+def _data_problem(path: str) -> str | None:
+    """Why the measurements could not be merged into ``path`` (None: they can)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.access(folder, os.W_OK):
+        return f"cannot write into {folder} (--data {path})"
+    if os.path.exists(path):
+        try:
+            load_data(path)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _sleep_cost(asked: float, times: int = 200) -> float:
+    """Median seconds a ``time.sleep(asked)`` takes here (the kernel's timer slack lengthens it)."""
+    took = []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        time.sleep(asked)
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took)
+
+
+def _commit() -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it ("" outside git)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10, check=False).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
+
+
+def _merge(path: str, key: str, run: dict[str, Any]) -> None:
+    """Replace ``key``'s entry of the data file (created when missing), atomically."""
+    data: dict[str, Any] = {"format": 1, "runs": {}}
+    if os.path.exists(path):
+        data = load_data(path)
+    data["runs"][key] = run
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_data(path: str) -> dict[str, Any]:
+    """The data file, checked for the fields ``--predict`` reads (ValueError naming what is missing)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no measurements; run {_MEASURE_HINT}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != 1 or not isinstance(data.get("runs"), dict):
+        raise ValueError(f"{path}: not a scale_model.py data file (expected {{'format': 1, 'runs': {{...}}}})")
+    for key, run in data["runs"].items():
+        missing = [f for f in ("ranks", "nodes", "local", "machine_ranks", "cores", "sizes", "median_s")
+                   if f not in run]
+        missing += [f"median_s.{p}" for p in PATHS if p not in run.get("median_s", {})]
+        if missing:
+            raise ValueError(f"{path}: run {key!r} lacks {', '.join(missing)}; measure it again")
+    return data
+
+
+_MEASURE_HINT = "mpiexec -bind-to core -n 2 python benchmarks/scale_model.py --measure (or --all)"
+
+
+# -- the model ------------------------------------------------------------------------------------
+@dataclass
+class Machine:
+    """What the fit run measured of its machine, beside the all-reduces.
+
+    ``ws``: machine working sets (bytes: both ranks' regions) at which ``shm`` and ``private``, the
+    seconds per byte of one rank's pass over its region (node shared memory with 4 KiB pages, like the
+    window; a private array, like MPI's buffers), were measured; ``fault``: seconds per byte first
+    touched; ``sleep``: seconds one of the waiter's sleeps takes (its request plus the kernel's timer
+    slack); ``constant``: per-byte costs never grow with the working set (the plain alpha-beta model).
+    """
+
+    ws: np.ndarray
+    shm: np.ndarray
+    private: np.ndarray
+    fault: float
+    sleep: float
+    constant: bool
+
+    def pass_cost(self, kind: str, ws: float) -> float:
+        """Seconds per byte of a pass over memory of ``kind`` at machine working set ``ws``, interpolated
+        in log2(ws), the nearest measured value outside the measured range."""
+        costs = self.shm if kind == "shm" else self.private
+        return float(np.interp(math.log2(max(ws, 1.0)), np.log2(self.ws), costs))
+
+    def growth(self, kind: str, ws: float) -> float:
+        """How much dearer a byte is at working set ``ws`` than at the fit's largest (``2 * FIT_MAX``):
+        the pass cost's ratio, never below 1; always 1 for the plain model."""
+        if self.constant or ws <= 2.0 * FIT_MAX:
+            return 1.0
+        return max(1.0, self.pass_cost(kind, ws) / self.pass_cost(kind, 2.0 * FIT_MAX))
+
+    @classmethod
+    def from_run(cls, run: dict[str, Any], constant: bool) -> Machine:
+        """The fit run's probes (at size n, two ranks pass over n bytes each: a working set of 2n)."""
+        med = run["median_s"]
+        for probe in PROBES:
+            if probe not in med:
+                raise ValueError(f"run {FIT_LAYOUT!r} lacks the {probe} probe; measure it again")
+        if "sleep_s" not in run:
+            raise ValueError(f"run {FIT_LAYOUT!r} lacks the waiter's sleep (sleep_s); measure it again")
+        sizes = np.array(run["sizes"], dtype=float)
+        shm = np.array(med["shm_pass"], dtype=float) / sizes
+        private = np.array(med["private_pass"], dtype=float) / sizes
+        faults = [t / s for s, t in zip(run["sizes"], med["fault"]) if t is not None and FAULT_FIT_MIN <= s <= FIT_MAX]
+        if not faults:
+            raise ValueError(f"run {FIT_LAYOUT!r} has no fault probe between {human(FAULT_FIT_MIN)} and "
+                             f"{human(FIT_MAX)}; measure it again")
+        return cls(2 * sizes, shm, private, statistics.median(faults), float(run["sleep_s"]), constant)
+
+
+@dataclass
+class Network:
+    """Between nodes: ``latency`` seconds per message, ``bandwidth`` bytes/s of a node's link."""
+
+    latency: float
+    bandwidth: float
+
+
+@dataclass
+class Model:
+    """Both paths' fitted parameters on one machine's costs.
+
+    ``a_window``: seconds per node synchronisation; ``b_window``: seconds per byte a rank passes over
+    (it reads n and writes n: its slice summed across the segments, then pushed into the others);
+    ``a_mpi``: seconds per MPI message step; ``b_mpi``: seconds per byte sent. Summing a received ``x``
+    bytes costs the private pass over ``2 x`` bytes; per-byte costs grow with the working set beyond
+    the fit's (:meth:`Machine.growth`).
+    """
+
+    machine: Machine
+    a_window: float
+    b_window: float
+    a_mpi: float
+    b_mpi: float
+    scratch_faults: bool = True  # False: as with MALLOC_MMAP_MAX_=0 (MPICH's scratch buffer stays mapped)
+
+    # -- one machine (all ranks share its memory) --
+    def window_node(self, n: float, ws: float, oversubscribed: bool = False) -> float:
+        """The window's reduce-scatter and push on one node: two node synchronisations (each a waiter's
+        sleep more where ranks outnumber cores: a rank waiting for a peer on its own core yields, then
+        sleeps) and a pass over n bytes."""
+        sync = self.a_window + (self.machine.sleep if oversubscribed else 0.0)
+        return 2 * sync + self.b_window * n * self.machine.growth("shm", ws)
+
+    def mpi_step(self, x: float, ws: float) -> float:
+        """One MPI message step of ``x`` bytes between ranks of one machine. MPICH copies a message of
+        8 KiB or more once, in the kernel, page by page (CMA): its cost per byte does not follow the
+        cache, so it never grows."""
+        return self.a_mpi + self.b_mpi * x
+
+    def reduce(self, x: float, ws: float) -> float:
+        """Summing a received ``x`` bytes into ``x`` bytes (the private pass over ``2 x`` bytes)."""
+        return 2 * x * self.machine.pass_cost("private", 2.0 * FIT_MAX) * self.machine.growth("private", ws)
+
+    def faults(self, n: float, ranks: int) -> float:
+        """MPICH's scratch buffer for the reduce-scatter (``n`` bytes, ``(p-1)/p n`` touched), mapped
+        afresh on every call from glibc's largest mmap threshold up."""
+        if not self.scratch_faults or n < GLIBC_MMAP_THRESHOLD_MAX:
+            return 0.0
+        return self.machine.fault * n * (ranks - 1) / ranks
+
+    def mpi_machine(self, n: float, ranks: int, ws: float) -> float:
+        """MPICH's reduce-scatter + all-gather over ``ranks`` (a power of two) of one machine."""
+        steps = round(math.log2(ranks))
+        t = sum(2 * self.mpi_step(n / 2**k, ws) + self.reduce(n / 2**k, ws) for k in range(1, steps + 1))
+        return t + self.faults(n, ranks)
+
+    def measured_layout(self, path: str, n: float, ranks: int, nodes: int, cores: int) -> float:
+        """Predicted time of ``path`` on a layout of this machine: ``ranks`` over ``nodes`` (pretend)
+        nodes, every rank on one machine of ``cores`` cores. Where ranks outnumber cores, each core
+        runs its ranks' work one after the other: work and MPI steps take ``ranks / cores`` times
+        as long."""
+        over = ranks / cores if ranks > cores else 1.0
+        local = ranks // nodes
+        ws = ranks * n
+        if path == "mpi":  # MPI knows nothing of pretend nodes: one machine
+            return over * self.mpi_machine(n, ranks, ws)
+        syncs = self.window_node(0, ws, over > 1)
+        work = self.window_node(n, ws) - self.window_node(0, ws)
+        if nodes > 1:  # every slice owner all-reduces its n/local bytes with its peers on the other nodes
+            work += self.mpi_machine(n / local, nodes, ws / local)
+        return syncs + over * work
+
+    # -- clusters --
+    def net_allreduce(self, x: float, nodes: int, flows: int, ws: float, net: Network, short: int) -> float:
+        """MPICH's all-reduce of ``x`` bytes over ``nodes`` ranks, one per node, while ``flows`` such
+        all-reduces share each node's link: recursive doubling up to ``short`` bytes, else
+        reduce-scatter + all-gather (with its scratch buffer)."""
+        steps = round(math.log2(nodes))
+        if steps == 0:
+            return 0.0
+        if x <= short:
+            return steps * (net.latency + flows * x / net.bandwidth + self.reduce(x, ws))
+        return sum(2 * (net.latency + flows * (x / 2**k) / net.bandwidth) + self.reduce(x / 2**k, ws)
+                   for k in range(1, steps + 1)) + self.faults(x, nodes)
+
+    def flat(self, n: float, ranks: int, per_node: int, net: Network) -> float:
+        """``MPI_Allreduce`` over ``ranks`` at ``per_node`` ranks per node (MPICH's own choice)."""
+        nodes = ranks // per_node
+        ws = per_node * n
+        if nodes == 1:
+            return self.mpi_machine(n, ranks, ws)
+        if n <= MPICH_COMPOSITION_MAX:  # node reduce, leaders' all-reduce, node broadcast
+            leaders = self.net_allreduce(n, nodes, 1, ws, net, MPICH_ALLREDUCE_SHORT)
+            return self._node_reduce(n, per_node, ws) + leaders + self._node_bcast(n, per_node, ws)
+        # Reduce-scatter + all-gather over every rank; step k pairs ranks 2^(k-1) apart, so with the
+        # ranks of a node numbered together the first log2(per_node) steps stay in the node, and in the
+        # others the node's ranks send their pieces through its link at once.
+        t = 0.0
+        for k in range(1, round(math.log2(ranks)) + 1):
+            x = n / 2**k
+            if 2 ** (k - 1) < per_node:
+                t += 2 * self.mpi_step(x, ws)
+            else:
+                t += 2 * (net.latency + per_node * x / net.bandwidth)
+            t += self.reduce(x, ws)
+        return t + self.faults(n, ranks)
+
+    def _node_reduce(self, n: float, local: int, ws: float) -> float:
+        steps = round(math.log2(local))
+        if n <= MPICH_REDUCE_SHORT:  # binomial tree
+            return steps * (self.mpi_step(n, ws) + self.reduce(n, ws))
+        return sum(2 * self.mpi_step(n / 2**k, ws) + self.reduce(n / 2**k, ws) for k in range(1, steps + 1))
+
+    def _node_bcast(self, n: float, local: int, ws: float) -> float:
+        steps = round(math.log2(local))
+        if local < 8 or n < MPICH_BINOMIAL_BCAST_MAX:  # binomial tree
+            return steps * self.mpi_step(n, ws)
+        return sum(2 * self.mpi_step(n / 2**k, ws) for k in range(1, steps + 1))  # scatter + all-gather
+
+    def hierarchical(self, n: float, ranks: int, per_node: int, net: Network) -> float:
+        """mpistrat's window transport: the node's reduce-scatter, then each slice owner's ``n / per_node``
+        bytes all-reduced across the nodes (``per_node`` owners sharing the link), then the push. With
+        one rank per node the window is off and the call is ``flat``."""
+        nodes = ranks // per_node
+        if per_node == 1:
+            return self.flat(n, ranks, per_node, net)
+        ws = per_node * n
+        return self.window_node(n, ws) + self.net_allreduce(n / per_node, nodes, per_node, ws, net,
+                                                            MPICH_IALLREDUCE_SHORT)
+
+
+def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: float) -> tuple[float, float]:
+    """Least squares of the relative error of ``measured = syncs * a + rest + b * x`` with ``a, b >= 0``."""
+    design = np.stack([np.full_like(x, syncs), x], axis=1) / measured[:, None]
+    target = (measured - rest) / measured
+    (a, b), *_ = np.linalg.lstsq(design, target, rcond=None)
+    if a < 0 or b < 0:  # the best fit with the offending parameter at zero
+        keep = 1 if a < 0 else 0
+        column = design[:, keep]
+        value = max(0.0, float(column @ target / (column @ column)))
+        a, b = (0.0, value) if keep == 1 else (value, 0.0)
+    return float(a), float(b)
+
+
+def fit(run: dict[str, Any], constant: bool) -> Model:
+    """Each path's ``a`` and ``b`` from the fit run (2 ranks, one node, a core each) up to ``FIT_MAX``."""
+    if run["ranks"] != 2 or run["nodes"] != 1 or run["machine_ranks"] > run["cores"]:
+        raise ValueError(f"the fit needs the {FIT_LAYOUT!r} run with a core per rank, got {run['ranks']} ranks "
+                         f"on {run['nodes']} node(s), {run['machine_ranks']} ranks on {run['cores']} cores")
+    machine = Machine.from_run(run, constant)
+    sizes = np.array(run["sizes"], dtype=float)
+    n = sizes[sizes <= FIT_MAX]
+    model = Model(machine, 0.0, 0.0, 0.0, 0.0)
+    window_t = np.array(run["median_s"]["window"], dtype=float)[: len(n)]
+    grow_shm = np.array([machine.growth("shm", 2 * s) for s in n])
+    model.a_window, model.b_window = _fit_line(n * grow_shm, np.zeros_like(n), window_t, 2)
+    # MPI at 2 ranks: one step each way of n/2 bytes and one sum of n/2 bytes.
+    mpi_t = np.array(run["median_s"]["mpi"], dtype=float)[: len(n)]
+    rest = np.array([model.reduce(s / 2, 2 * s) + model.faults(s, 2) for s in n])
+    model.a_mpi, model.b_mpi = _fit_line(n, rest, mpi_t, 2)
+    return model
+
+
+# -- reports --------------------------------------------------------------------------------------
+VARIANTS = (("alpha-beta", True), ("+cache", False))
+
+
+@dataclass
+class Check:
+    """One measured time next to each variant's prediction."""
+
+    layout: str
+    path: str
+    size: int
+    measured: float
+    predicted: list[float]
+    fitted: bool  # part of the fit (not a prediction)
+
+    def errors(self) -> list[float]:
+        return [p / self.measured - 1 for p in self.predicted]
+
+
+def checks(data: dict[str, Any], models: Sequence[Model]) -> list[Check]:
+    """Every measured time of every layout next to each model's prediction."""
+    out = []
+    for key, run in data["runs"].items():
+        for path in PATHS:
+            for size, t in zip(run["sizes"], run["median_s"][path]):
+                if t is None:
+                    continue
+                pred = [m.measured_layout(path, size, run["ranks"], run["nodes"], run["cores"]) for m in models]
+                out.append(Check(key, path, size, t, pred, key == FIT_LAYOUT and size <= FIT_MAX))
+    return out
+
+
+def print_checks(found: list[Check], say: Callable[..., None]) -> None:
+    names = [name for name, _ in VARIANTS]
+    say("\n## Predictions against measurements (error = predicted / measured - 1; * = fitted, not predicted)\n")
+    say("| layout | path | size | measured (us) | " + " | ".join(f"{n} (us) | error" for n in names) + " |")
+    say("|---|---|---|---|" + "---|---|" * len(names))
+    for c in found:
+        cells = " | ".join(f"{p * 1e6:.1f} | {e:+.0%}" for p, e in zip(c.predicted, c.errors()))
+        say(f"| {c.layout} | {c.path} | {human(c.size)}{'*' if c.fitted else ''} | {c.measured * 1e6:.1f} | {cells} |")
+    say(f"\nHeld out, from {human(CHECK_MIN)} up: predictions within {TARGET:.0%} of the measurement, per variant")
+    groups: dict[tuple[str, str], list[Check]] = {}
+    for c in found:
+        if not c.fitted and c.size >= CHECK_MIN:
+            groups.setdefault((c.layout, c.path), []).append(c)
+    say("\n| layout | path | sizes | " + " | ".join(f"{n}: within | worst" for n in names) + " |")
+    say("|---|---|---|" + "---|---|" * len(names))
+    for (layout, path), cs in groups.items():
+        cells = []
+        for v in range(len(names)):
+            errs = [c.errors()[v] for c in cs]
+            worst = max(errs, key=abs)
+            cells.append(f"{sum(abs(e) <= TARGET for e in errs)}/{len(errs)} | {worst:+.0%}")
+        say(f"| {layout} | {path} | {human(cs[0].size)}..{human(cs[-1].size)} | {' | '.join(cells)} |")
+
+
+def project(model: Model, net: Network, sizes: Sequence[int], ranks: Sequence[int], per_node: Sequence[int],
+            say: Callable[..., None]) -> None:
+    """Time and busbw of the flat and the hierarchical path per size, total ranks and ranks per node."""
+    say(f"\n## Projection: flat (MPI_Allreduce, MPICH's algorithms) and hierarchical (the window per node, MPI "
+        f"across nodes)\nnetwork {net.latency * 1e6:g} us, {net.bandwidth * 8 / 1e9:g} Gb/s per node (parameters, "
+        f"not measured here); the node's costs are this machine's, a core per rank"
+        + ("; MPICH's scratch buffer kept mapped (--malloc-knobs)" if not model.scratch_faults else ""))
+    for n in sizes:
+        say(f"\n### {human(n)}: time flat / hierarchical (us), busbw flat / hierarchical (GB/s), "
+            f"speed-up of hierarchical\n")
+        say("| ranks | " + " | ".join(f"{p} per node" for p in per_node) + " |")
+        say("|---|" + "---|" * len(per_node))
+        for r in ranks:
+            cells = []
+            for p in per_node:
+                if p > r:
+                    cells.append("")
+                    continue
+                flat, hier = model.flat(n, r, p, net), model.hierarchical(n, r, p, net)
+                bus = 2 * (r - 1) / r * n / 1e9
+                cells.append(f"{flat * 1e6:.0f} / {hier * 1e6:.0f}, {bus / flat:.1f} / {bus / hier:.1f}, "
+                             f"{flat / hier:.2f}x")
+            say(f"| {r} | " + " | ".join(cells) + " |")
+
+
+def predict(args: argparse.Namespace) -> int:
+    data = load_data(args.data)
+    runs = data["runs"]
+    if FIT_LAYOUT not in runs:
+        raise SystemExit(f"{args.data}: no {FIT_LAYOUT!r} run to fit on; run {_MEASURE_HINT}")
+    say = print
+    say(f"# scale_model --predict: {args.data}")
+    for key, run in runs.items():
+        load = run.get("load_average", [[None]])[0][0]
+        say(f"#   {key}: {run.get('when_utc', '?')} UTC, commit {run.get('commit') or '?'}, "
+            f"{run['machine_ranks']} ranks on {run['cores']} cores, load {load}, {run.get('mpi_library', '')}")
+    models = [fit(runs[FIT_LAYOUT], constant) for _, constant in VARIANTS]
+    say("\n## Fitted on the 2-rank run up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
+        "byte passed over or sent; sum: per byte summed; the fault, the sleep and the per-byte growth come from "
+        "the probes)\n")
+    say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI b (ns/B) | sum (ns/B) | fault (us/page) "
+        "| waiter sleep (us) |")
+    say("|---|---|---|---|---|---|---|---|")
+    for (name, _), m in zip(VARIANTS, models):
+        say(f"| {name} | {m.a_window * 1e6:.2f} | {m.b_window * 1e9:.3f} | {m.a_mpi * 1e6:.2f} | "
+            f"{m.b_mpi * 1e9:.3f} | {m.reduce(1.0, 0) * 1e9:.3f} | {m.machine.fault * PAGE * 1e6:.2f} | "
+            f"{m.machine.sleep * 1e6:.0f} |")
+    print_checks(checks(data, models), say)
+    net = Network(args.net_latency_us * 1e-6, args.net_gbps * 1e9 / 8)
+    models[1].scratch_faults = not args.malloc_knobs
+    project(models[1], net, args.project_sizes, args.project_ranks, args.per_node, say)
+    return 0
+
+
+def measure_all(args: argparse.Namespace) -> int:
+    """The three measured layouts, one ``mpiexec`` each, then ``--predict``."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        raise SystemExit("scale_model.py --all: no mpiexec next to this Python or on PATH")
+    base = {k: v for k, v in os.environ.items() if k != "MPISTRAT_PRETEND_NODES"}
+    common = ["--measure", "--data", args.data, "--repeats", str(args.repeats), "--budget", str(args.budget),
+              "--max-size", str(args.max_size)]
+    for ranks, pretend in ((2, None), (4, None), (4, 2)):
+        env = dict(base, MPISTRAT_PRETEND_NODES=str(pretend)) if pretend else base
+        cmd = [mpiexec, "-bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
+        print(f"# {'MPISTRAT_PRETEND_NODES=' + str(pretend) + ' ' if pretend else ''}{' '.join(cmd)}", flush=True)
+        done = subprocess.run(cmd, env=env, timeout=1800, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} exited with {done.returncode}")
+    return predict(args)
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    try:
+        value = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64K, 1M)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def _power_of_two(text: str) -> int:
+    value = int(text)
+    if value < 1 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"the model takes powers of two, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--measure", action="store_true", help="time this layout (under mpiexec)")
+    mode.add_argument("--predict", action="store_true", help="fit, check and project from --data (no MPI)")
+    mode.add_argument("--all", action="store_true", help="measure the three layouts (mpiexec), then predict")
+    parser.add_argument("--data", default=DEFAULT_DATA, help="the measurements (JSON; default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="sweeps over the sizes per measurement")
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per size and sweep")
+    parser.add_argument("--max-size", type=_size, default=SIZES[-1])
+    parser.add_argument("--net-latency-us", type=float, default=DEFAULT_NET_LATENCY_US)
+    parser.add_argument("--net-gbps", type=float, default=DEFAULT_NET_GBPS, help="a node's link, Gb/s one way")
+    parser.add_argument("--project-sizes", type=_size, nargs="+", default=[16 << 10, 1 << 20, 16 << 20, 64 << 20])
+    parser.add_argument("--malloc-knobs", action="store_true",
+                        help="project as with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296: MPICH's scratch "
+                             "buffer stays mapped (no first-touch faults from 32 MiB)")
+    parser.add_argument("--project-ranks", type=_power_of_two, nargs="+", default=[2 << i for i in range(10)])
+    parser.add_argument("--per-node", type=_power_of_two, nargs="+", default=[1, 2, 4, 8])
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.budget <= 0 or args.net_latency_us < 0 or args.net_gbps <= 0:
+        parser.error("--repeats must be >= 1, --budget and --net-gbps > 0, --net-latency-us >= 0")
+    if args.max_size < FIT_MAX:
+        parser.error(f"--max-size must be at least {human(FIT_MAX)} (the fit's range)")
+    if args.measure:
+        return measure(args)
+    if args.all:
+        return measure_all(args)
+    return predict(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""benchmarks/scale_model.py's model: the fit, the algorithm forms, the data file and the command line (no MPI)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "scale_model.py")
+_spec = importlib.util.spec_from_file_location("scale_model", _PATH)
+sm = importlib.util.module_from_spec(_spec)
+sys.modules["scale_model"] = sm  # dataclasses look their module up
+_spec.loader.exec_module(sm)
+
+NET = sm.Network(latency=1.2e-6, bandwidth=24e9)
+
+
+def _probe_times(sizes: list[int]) -> tuple[list[float], list[float], list[float | None]]:
+    """Probes whose per-byte cost rises with the working set, as caches run out (seconds)."""
+    shm = [n * (0.03e-9 + 0.12e-9 * n / (n + (8 << 20))) for n in sizes]
+    private = [n * (0.02e-9 + 0.08e-9 * n / (n + (16 << 20))) for n in sizes]
+    fault = [n / sm.PAGE * 0.25e-6 if n <= sm.FIT_MAX else None for n in sizes]
+    return shm, private, fault
+
+
+def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list[int]) -> dict:
+    shm, private, fault = _probe_times(sizes)
+    run = {"ranks": ranks, "nodes": nodes, "local": ranks // nodes, "pretend": nodes > 1, "machine_ranks": ranks,
+           "cores": cores, "sizes": sizes,
+           "median_s": {"shm_pass": shm, "private_pass": private, "fault": fault}, "sleep_s": 70e-6}
+    if truth is not None:
+        for path in sm.PATHS:
+            run["median_s"][path] = [truth.measured_layout(path, n, ranks, nodes, cores) for n in sizes]
+    return run
+
+
+def _truth() -> sm.Model:
+    machine = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=False)
+    return sm.Model(machine, a_window=3e-6, b_window=0.1e-9, a_mpi=2.5e-6, b_mpi=0.25e-9)
+
+
+def _data(truth: sm.Model) -> dict:
+    layouts = {sm.FIT_LAYOUT: (2, 1), "4 ranks, 1 node": (4, 1), "4 ranks, 2 pretend nodes": (4, 2)}
+    return {"format": 1, "runs": {key: _run(truth, r, k, 2, sm.SIZES) for key, (r, k) in layouts.items()}}
+
+
+def test_the_fit_recovers_the_parameters_the_times_came_from():
+    truth = _truth()
+    fitted = sm.fit(_data(truth)["runs"][sm.FIT_LAYOUT], constant=False)
+    for name in ("a_window", "b_window", "a_mpi", "b_mpi"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert fitted.machine.fault == pytest.approx(0.25e-6 / sm.PAGE)
+
+
+def test_the_fit_uses_nothing_above_one_mebibyte():
+    run = _data(_truth())["runs"][sm.FIT_LAYOUT]
+    before = sm.fit(run, constant=False)
+    for path in sm.PATHS:  # held-out sizes changed beyond recognition
+        run["median_s"][path] = [t if n <= sm.FIT_MAX else 1e3 * t for n, t in zip(run["sizes"], run["median_s"][path])]
+    after = sm.fit(run, constant=False)
+    assert (after.a_window, after.b_window, after.a_mpi, after.b_mpi) == (
+        before.a_window, before.b_window, before.a_mpi, before.b_mpi)
+
+
+def test_exact_times_give_zero_errors_on_every_held_out_layout():
+    truth = _truth()
+    data = _data(truth)
+    models = [sm.fit(data["runs"][sm.FIT_LAYOUT], constant) for _, constant in sm.VARIANTS]
+    found = sm.checks(data, models)
+    layouts = {c.layout for c in found if not c.fitted}
+    assert layouts == set(data["runs"])
+    memory = [abs(c.errors()[1]) for c in found]
+    assert max(memory) < 1e-6
+    # The constant-cost variant cannot follow the probes' rise with the working set.
+    assert max(abs(c.errors()[0]) for c in found if c.size >= 16 << 20) > sm.TARGET
+
+
+def test_the_fit_never_returns_negative_parameters():
+    run = _data(_truth())["runs"][sm.FIT_LAYOUT]
+    run["median_s"]["window"] = [1e-9 * n for n in run["sizes"]]  # no latency at all, and more
+    model = sm.fit(run, constant=False)
+    assert model.a_window >= 0 and model.b_window >= 0
+
+
+def test_mpi_follows_reduce_scatter_allgather():
+    model = _truth()
+    n, ws = float(1 << 20), float(64 << 20)
+    sum_per_byte = 2 * model.machine.pass_cost("private", 2 * sm.FIT_MAX) * model.machine.growth("private", ws)
+    assert model.machine.growth("private", ws) > 1  # beyond the fit's working set
+
+    def step(x: float) -> float:  # copied in the kernel: no growth
+        return model.a_mpi + model.b_mpi * x
+
+    expected = 2 * step(n / 2) + n / 2 * sum_per_byte + 2 * step(n / 4) + n / 4 * sum_per_byte
+    assert model.mpi_machine(n, 4, ws) == pytest.approx(expected)
+    assert model.mpi_machine(n, 1, ws) == 0.0
+
+
+def test_per_byte_costs_grow_only_beyond_the_fit():
+    variable = _truth().machine
+    constant = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=True)
+    for kind in ("shm", "private"):
+        assert variable.growth(kind, 2 * sm.FIT_MAX) == 1.0
+        assert variable.growth(kind, 4096) == 1.0  # small passes' per-call overhead is no growth
+        assert variable.growth(kind, 128 << 20) > 1.5
+        assert constant.growth(kind, 128 << 20) == 1.0
+
+
+def test_mpich_scratch_buffer_faults_only_from_glibc_mmap_maximum():
+    model = _truth()
+    below, above = sm.GLIBC_MMAP_THRESHOLD_MAX - sm.PAGE, sm.GLIBC_MMAP_THRESHOLD_MAX
+    assert model.faults(below, 2) == 0.0
+    assert model.faults(above, 2) == pytest.approx(model.machine.fault * above / 2)
+
+
+def test_ranks_beyond_the_cores_scale_the_work_and_sleep_in_each_sync():
+    model = _truth()
+    n, ws = 1 << 20, 4 << 20
+    work = model.b_window * n * model.machine.growth("shm", ws)
+    assert model.measured_layout("window", n, 4, 1, 4) == pytest.approx(2 * model.a_window + work)
+    assert model.measured_layout("window", n, 4, 1, 2) == pytest.approx(
+        2 * (model.a_window + model.machine.sleep) + 2 * work)
+    assert model.measured_layout("mpi", n, 4, 1, 2) == pytest.approx(2 * model.mpi_machine(n, 4, ws))
+
+
+def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
+    model = _truth()
+    n, ws = 1 << 20, 4 << 20
+    one_node = model.measured_layout("window", n, 4, 1, 4)
+    assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(one_node + model.mpi_machine(n / 2, 2, ws / 2))
+
+
+def test_hierarchical_is_flat_with_one_rank_per_node_and_the_window_on_one_node():
+    model = _truth()
+    for n in (64 << 10, 1 << 20, 64 << 20):
+        assert model.hierarchical(n, 64, 1, NET) == model.flat(n, 64, 1, NET)
+        assert model.hierarchical(n, 8, 8, NET) == pytest.approx(model.window_node(n, 8 * n))
+        assert model.flat(n, 8, 8, NET) == pytest.approx(model.mpi_machine(n, 8, 8 * n))
+
+
+def test_cross_node_traffic_follows_the_network_parameters():
+    model = _truth()
+    slow = sm.Network(latency=NET.latency, bandwidth=NET.bandwidth / 10)
+    for n in (64 << 10, 16 << 20):
+        for per_node in (1, 4):
+            assert model.flat(n, 256, per_node, slow) > model.flat(n, 256, per_node, NET)
+        assert model.hierarchical(n, 256, 4, slow) > model.hierarchical(n, 256, 4, NET)
+    # Both paths put 2 n (1 - per_node / ranks) bytes per node on the link at large sizes.
+    n, ranks, per_node = 64 << 20, 1024, 8
+    link = 2 * n * (1 - per_node / ranks) / NET.bandwidth
+    assert model.flat(n, ranks, per_node, NET) > link
+    assert model.hierarchical(n, ranks, per_node, NET) > link
+
+
+def test_small_messages_across_nodes_take_mpich_composition():
+    model = _truth()
+    n, ranks, per_node = 16 << 10, 64, 4
+    ws = per_node * n
+    leaders = model.net_allreduce(n, ranks // per_node, 1, ws, NET, sm.MPICH_ALLREDUCE_SHORT)
+    expected = model._node_reduce(n, per_node, ws) + leaders + model._node_bcast(n, per_node, ws)
+    assert model.flat(n, ranks, per_node, NET) == pytest.approx(expected)
+    # The leaders' blocking all-reduce of 16 KiB: reduce-scatter + all-gather, two latencies per doubling.
+    free = sm.Network(1e-6, math.inf)
+    assert model.net_allreduce(n, 16, 1, 0, free, sm.MPICH_ALLREDUCE_SHORT) == pytest.approx(
+        8e-6 + sum(model.reduce(n / 2**k, 0) for k in range(1, 5)))
+    # An owner's short slice in Iallreduce: recursive doubling, one latency per doubling.
+    assert model.net_allreduce(1024, 16, 1, 0, free, sm.MPICH_IALLREDUCE_SHORT) == pytest.approx(
+        4 * (1e-6 + model.reduce(1024, 0)))
+
+
+def test_scratch_buffer_faults_can_be_left_out_of_the_projection():
+    model = _truth()
+    n = 64 << 20
+    with_faults = model.flat(n, 64, 8, NET)
+    model.scratch_faults = False
+    assert model.faults(n, 64) == 0.0
+    assert with_faults - model.flat(n, 64, 8, NET) == pytest.approx(model.machine.fault * n * 63 / 64)
+
+
+def test_predict_prints_fit_checks_and_projection(tmp_path, capsys):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(_data(_truth())))
+    assert sm.main(["--predict", "--data", str(path), "--project-sizes", "1M", "--project-ranks", "2", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "| +cache |" in out
+    assert "| 4 ranks, 2 pretend nodes | window | 64 MiB |" in out
+    assert "### 1 MiB" in out and "| 1024 |" in out
+
+
+def test_predict_names_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--measure"):
+        sm.load_data(str(tmp_path / "absent.json"))
+    bad = _data(_truth())
+    del bad["runs"]["4 ranks, 1 node"]["median_s"]["window"]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"'4 ranks, 1 node' lacks median_s.window"):
+        sm.load_data(str(tmp_path / "bad.json"))
+    no_fit = _data(_truth())
+    del no_fit["runs"][sm.FIT_LAYOUT]
+    (tmp_path / "nofit.json").write_text(json.dumps(no_fit))
+    with pytest.raises(SystemExit, match="no '2 ranks, 1 node' run"):
+        sm.main(["--predict", "--data", str(tmp_path / "nofit.json")])
+
+
+def test_the_fit_refuses_an_oversubscribed_or_wrong_layout():
+    run = _data(_truth())["runs"]["4 ranks, 1 node"]
+    with pytest.raises(ValueError, match="needs the '2 ranks, 1 node' run"):
+        sm.fit(run, constant=False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--predict", "--project-ranks", "3"], "powers of two"),
+    (["--predict", "--max-size", "64K"], "at least 1 MiB"),
+    (["--predict", "--net-gbps", "0"], "--net-gbps > 0"),
+    (["--predict", "--project-sizes", "lots"], "not a size"),
+    (["--measure", "--predict"], "not allowed with"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        sm.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_measure_names_a_data_file_it_could_not_merge_into(tmp_path):
+    assert sm._data_problem(str(tmp_path / "new.json")) is None
+    assert "cannot write" in sm._data_problem(str(tmp_path / "absent" / "data.json"))
+    (tmp_path / "other.json").write_text(json.dumps({"something": "else"}))
+    assert "not a scale_model.py data file" in sm._data_problem(str(tmp_path / "other.json"))
