@@ -59,19 +59,63 @@ def as_array(value: Any, *, what: str = "value", numeric: bool = True) -> Any:
     return array
 
 
-def python_default_dtype(value: Any) -> np.dtype | None:
-    """The dtype ``tf.convert_to_tensor`` gives a Python number, list or tuple (float32, int32); None for arrays.
+_FLOAT32 = np.dtype(np.float32)
+_INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
+_INT32_RANGE, _INT64_RANGE = np.iinfo(np.int32), np.iinfo(np.int64)
 
-    Arrays of any library, and NumPy scalars, keep their own dtype.
+
+def python_default_dtype(value: Any) -> np.dtype | None:
+    """The dtype ``tf.convert_to_tensor`` gives a Python number, list or tuple; None where NumPy's is kept.
+
+    As TF 2.21: a Python float gives float32, an int int32 (int64 when a value is outside int32's range,
+    ValueError outside int64's), a bool bool, a complex complex128. A list or tuple is a tensor of its
+    leaves: integers of any kind give int32 (int64 when out of range); floating values take the dtype of
+    the first leaf when that is a NumPy floating value (``[np.float64(1), 2.0]`` is float64), else
+    float32 (``[1, np.float64(2)]``, as TF samples the first leaf). Arrays of any library, NumPy scalars,
+    strings and bools keep their own dtype (None).
     """
-    if isinstance(value, np.generic) or not isinstance(value, (int, float, complex, list, tuple)):
+    if isinstance(value, (np.generic, bool)):  # NumPy scalars are float and int subclasses too
         return None
-    probe = np.asarray(value).dtype
-    if probe == np.float64:
-        return np.dtype(np.float32)
-    if probe == np.int64:
-        return np.dtype(np.int32)
+    if isinstance(value, float):
+        return _FLOAT32
+    if isinstance(value, int):
+        return _int_dtype(value, value)
+    if isinstance(value, (list, tuple)):
+        return _sequence_dtype(value)
     return None
+
+
+def _sequence_dtype(value: list | tuple) -> np.dtype | None:
+    """``python_default_dtype`` of a list or tuple: NumPy's dtype for it, made TF's."""
+    probe = np.asarray(value)
+    if probe.dtype.kind in "iu":
+        return _int_dtype(probe.min(), probe.max()) if probe.size else _INT32
+    first = _first_leaf(value)
+    if probe.dtype.kind == "f":
+        return first.dtype if isinstance(first, np.floating) else _FLOAT32
+    if probe.dtype == object and type(first) is int:  # Python ints beyond int64 (NumPy keeps them as objects)
+        raise ValueError(f"Can't convert a Python sequence with an out-of-range integer to an array: {value!r:.80}")
+    return None
+
+
+def _int_dtype(low: Any, high: Any) -> np.dtype:
+    """int32 when ``[low, high]`` fits it, else int64; ValueError beyond int64 (TF's rule for Python ints)."""
+    low, high = int(low), int(high)
+    if _INT32_RANGE.min <= low and high <= _INT32_RANGE.max:
+        return _INT32
+    if _INT64_RANGE.min <= low and high <= _INT64_RANGE.max:
+        return _INT64
+    raise ValueError(f"Can't convert out-of-range integer {high if high > _INT64_RANGE.max else low} to an array: "
+                     "integers must fit in int64")
+
+
+def _first_leaf(value: Any) -> Any:
+    """The first scalar of a (nested) list or tuple, an array's first element (what TF samples); None if empty."""
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    if isinstance(value, np.ndarray):
+        return value.reshape(-1)[0] if value.size else None
+    return None if isinstance(value, (list, tuple)) else value
 
 
 def as_arrays(values: list, *, what: str = "value") -> list:

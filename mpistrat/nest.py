@@ -10,10 +10,12 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
-__all__ = ["is_nested", "flatten", "pack_sequence_as", "map_structure", "assert_same_structure", "structure_signature"]
+__all__ = ["is_nested", "is_namedtuple", "children", "sequence_like", "flatten", "pack_sequence_as", "map_structure",
+           "assert_same_structure", "structure_signature"]
 
 
-def _is_namedtuple(x: Any) -> bool:
+def is_namedtuple(x: Any) -> bool:
+    """Whether ``x`` is a namedtuple (a tuple with ``_fields``)."""
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
@@ -22,7 +24,8 @@ def is_nested(x: Any) -> bool:
     return isinstance(x, (list, tuple, dict))
 
 
-def _children(x: Any) -> list:
+def children(x: Any) -> list:
+    """The items of the structure ``x`` in :func:`flatten`'s order (a dict's values by sorted key)."""
     if isinstance(x, dict):
         return [x[k] for k in _sorted_keys(x)]
     return list(x)
@@ -58,15 +61,19 @@ def flatten(structure: Any) -> list:
     while stack:
         x = stack.pop()
         if is_nested(x):
-            stack.extend(reversed(_children(x)))
+            stack.extend(reversed(children(x)))
         else:
             out.append(x)
     return out
 
 
-def _rebuild(template: Any, children: list) -> Any:
+def sequence_like(template: Any, items: list) -> Any:
+    """A structure of ``template``'s type holding ``items`` (in :func:`children`'s order), as tf.nest rebuilds one.
+
+    A namedtuple is made by calling its type, so a subclass's own ``__new__`` runs (as ``tf.nest``).
+    """
     if isinstance(template, dict):
-        built = dict(zip(_sorted_keys(template), children))
+        built = dict(zip(_sorted_keys(template), items))
         kind = type(template)
         if kind is dict:
             return {k: built[k] for k in template}
@@ -75,11 +82,11 @@ def _rebuild(template: Any, children: list) -> Any:
         for k in template:
             out[k] = built[k]
         return out
-    if _is_namedtuple(template):
-        return type(template)._make(children)  # as TF's regroup: never a subclass's own __new__
+    if is_namedtuple(template):
+        return type(template)(*items)
     if isinstance(template, tuple):
-        return tuple(children)
-    return list(children)
+        return tuple(items)
+    return list(items)
 
 
 def pack_sequence_as(structure: Any, flat: list) -> Any:
@@ -96,7 +103,7 @@ def pack_sequence_as(structure: Any, flat: list) -> Any:
 
     def build(x: Any) -> Any:
         if is_nested(x):
-            return _rebuild(x, [build(c) for c in _children(x)])
+            return sequence_like(x, [build(c) for c in children(x)])
         return next(it)
 
     result = build(structure)
@@ -110,7 +117,7 @@ def structure_signature(structure: Any) -> str:
     """A short text describing the nesting (not the leaves), for comparisons and errors."""
     if isinstance(structure, dict):
         return "{" + ",".join(f"{k!r}:{structure_signature(structure[k])}" for k in _sorted_keys(structure)) + "}"
-    if _is_namedtuple(structure):
+    if is_namedtuple(structure):
         return type(structure).__name__ + "(" + ",".join(structure_signature(c) for c in structure) + ")"
     if isinstance(structure, tuple):
         return "(" + ",".join(structure_signature(c) for c in structure) + ")"

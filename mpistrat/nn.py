@@ -10,6 +10,7 @@ from mpistrat import devices as dev
 from mpistrat.arrays import as_array, python_default_dtype
 from mpistrat.distribute import context
 from mpistrat.distribute.variables import BaseVariable
+from mpistrat.ops import mean_dtype
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
@@ -42,12 +43,10 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, globa
         weight = dev.to_device(_as_array(sample_weight, "compute_average_loss: sample_weight"), dev.device_of(loss))
         loss = _weighted(loss, weight).astype(input_dtype)
     if global_batch_size is None:
-        if context.has_strategy() and context.in_cross_replica_context():
-            raise RuntimeError("You are calling `compute_average_loss` in cross replica context, while it was "
-                               "expected to be called in replica context.")
+        _require_replica_context("compute_average_loss")
         global_batch_size = loss.shape[0] * context.get_strategy().num_replicas_in_sync
     batch = _check_global_batch_size(global_batch_size)
-    result_dtype = input_dtype if input_dtype.kind in "fc" else np.dtype(np.float64)
+    result_dtype = mean_dtype(input_dtype)
     if batch == 0:  # TF's div_no_nan
         return xp.zeros((), dtype=result_dtype)
     return xp.asarray(xp.sum(loss).astype(result_dtype) / result_dtype.type(batch), dtype=result_dtype)
@@ -59,12 +58,17 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
     Summed over the replicas by the gradient all-reduce, it counts once.
     A 0-d array; integer losses give float64.
     """
-    if context.has_strategy() and context.in_cross_replica_context():
-        raise RuntimeError("You are calling `scale_regularization_loss` in cross replica context, while it was "
-                           "expected to be called in replica context.")
+    _require_replica_context("scale_regularization_loss")
     loss = _as_array(regularization_loss, "scale_regularization_loss: regularization_loss")
     xp = _array_module(loss)
     return xp.asarray(xp.sum(loss) / context.get_strategy().num_replicas_in_sync)
+
+
+def _require_replica_context(name: str) -> None:
+    """Raise TF's RuntimeError when ``name`` is called in cross-replica context (in a strategy's scope)."""
+    if context.has_strategy() and context.in_cross_replica_context():
+        raise RuntimeError(f"You are calling `{name}` in cross replica context, while it was expected to be called "
+                           "in replica context.")
 
 
 def _as_array(x: Any, what: str) -> Any:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["ReduceOp", "WireOp", "WIRE_OPS", "wire_op", "mpi_op", "ufunc", "nccl_op"]
+__all__ = ["ReduceOp", "mean_dtype", "WireOp", "WIRE_OPS", "wire_op", "mpi_op", "ufunc", "nccl_op"]
 
 
 class ReduceOp(enum.Enum):
@@ -63,6 +63,12 @@ class ReduceOp(enum.Enum):
 
 
 _OPS_BY_NAME = {spelling: op for op in ReduceOp for spelling in (op.value, op.value.lower())}
+
+
+def mean_dtype(dtype: Any) -> np.dtype:
+    """The dtype of a mean of ``dtype`` values: ``dtype`` when floating or complex, else float64."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.kind in "fc" else np.dtype(np.float64)
 
 
 class WireOp(NamedTuple):

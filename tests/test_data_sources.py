@@ -58,7 +58,8 @@ def test_from_tensors_is_one_element():
     assert len(out) == 1 and out[0].tolist() == [0, 1, 2]
     (element,) = list(D.Dataset.from_tensors([1, 2]))  # a list is one tensor, as in tf.data
     assert isinstance(element, np.ndarray) and element.tolist() == [1, 2]
-    assert D.Dataset.from_tensors([1, 2]).element_spec == TensorSpec((2,), np.dtype(np.int64))
+    # Python ints convert to int32, as tf.convert_to_tensor (TF 2.21: TensorSpec(shape=(2,), dtype=tf.int32))
+    assert D.Dataset.from_tensors([1, 2]).element_spec == TensorSpec((2,), np.dtype(np.int32))
     (pair,) = list(D.Dataset.from_tensors((np.arange(2), [3, 4])))
     assert pair[0].tolist() == [0, 1] and pair[1].tolist() == [3, 4]
     assert list(D.Dataset.from_tensors(b"xy")) == [b"xy"] and [int(x) for x in D.Dataset.from_tensors(3)] == [3]

@@ -26,22 +26,10 @@ import mpistrat as ms
 from mpistrat import arrays
 from mpistrat.devices import cupy_or_none
 
+from helpers import DLPackOnly
+
 BASE = np.arange(4, dtype=np.float32)
 MATRIX = np.arange(6, dtype=np.float32).reshape(3, 2)
-
-
-class DLPackOnly:
-    """An array that offers only DLPack (``__dlpack__`` and ``__dlpack_device__``), over a NumPy array."""
-
-    def __init__(self, array, device=None):
-        self._array = array
-        self._device = device
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._device or self._array.__dlpack_device__()
 
 
 class ArrayInterfaceOnly:

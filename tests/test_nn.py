@@ -14,16 +14,10 @@ import pytest
 
 import mpistrat as ms
 
+from helpers import DLPackOnly, make, rid
+
 cal = ms.nn.compute_average_loss
 L = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
-
-
-def make(n=2):
-    return ms.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-
-
-def rid():
-    return ms.get_replica_context().replica_id_in_sync_group
 
 
 @pytest.mark.parametrize("kwargs, expected, dtype", [
@@ -138,16 +132,6 @@ def test_losses_may_be_variables():
 
 def test_foreign_losses_pass_the_one_boundary_conversion():
     """A DLPack-only loss and a big-endian one are read like NumPy (tf.convert_to_tensor converts both)."""
-
-    class DLPackOnly:  # only the DLPack protocol, as a minimal producer exposes
-        def __init__(self, a):
-            self._a = a
-
-        def __dlpack__(self, **kwargs):
-            return self._a.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self._a.__dlpack_device__()
 
     out = cal(DLPackOnly(L), global_batch_size=8)
     assert out.dtype == np.float32 and float(out) == pytest.approx(10.0 / 8)

@@ -21,36 +21,10 @@ import pytest
 import mpistrat as ms
 from mpistrat.distribute.cross_device_ops import ReductionToOneDevice, select_cross_device_ops
 
+from helpers import copies, finishes, make, rid
+
 SYNC = ms.VariableSynchronization
 AGG = ms.VariableAggregation
-
-
-def make(n=2, **kw):
-    return ms.MirroredStrategy([f"/cpu:{i}" for i in range(n)], **kw)
-
-
-def rid():
-    return ms.get_replica_context().replica_id_in_sync_group
-
-
-def copies(v):
-    return [np.asarray(c.numpy()).tolist() for c in v.values]
-
-
-def finishes(body, timeout=5.0):
-    """Run ``body`` in a daemon thread; return (finished, result_or_exception)."""
-    box = {}
-
-    def target():
-        try:
-            box["result"] = body()
-        except BaseException as exc:  # noqa: BLE001
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    return (not t.is_alive()), box
 
 
 # run passes a distributed variable itself to the replica function (TF's select_replica keeps it).
@@ -203,6 +177,34 @@ def test_all_reduce_inside_merge_fn_raises_instead_of_hanging():
     done, box = finishes(lambda: s.run(step))
     assert done, "ReplicaContext.all_reduce called from a merge_fn hangs"
     assert isinstance(box.get("error"), RuntimeError) and "call_for_each_replica" in str(box["error"]), box
+
+
+def test_meeting_called_from_inside_a_meetings_function_raises_instead_of_hanging():
+    # The meeting's function runs in replica 0's thread while the others wait in that meeting: a second
+    # meeting started from inside it could never be joined (TF: "all replicas need to participate in the
+    # all-reduce, otherwise this operation hangs", distribute_lib.py ReplicaContext.all_reduce).
+    from mpistrat.distribute.replica_group import CollectiveOrderError, ReplicaAbortedError, Rendezvous
+
+    rendezvous = Rendezvous(2)
+    outcome = {}
+
+    def outer(payloads):
+        return rendezvous.meet(0, "inner", None, lambda inner_payloads: inner_payloads)
+
+    def replica(i):
+        try:
+            outcome[i] = rendezvous.meet(i, "outer", i, outer)
+        except BaseException as exc:  # noqa: BLE001
+            outcome[i] = exc
+
+    other = threading.Thread(target=replica, args=(1,), daemon=True)
+    other.start()
+    done, _ = finishes(lambda: replica(0))
+    other.join(5.0)
+    assert done and not other.is_alive(), "a meeting started inside a meeting's function hung"
+    assert isinstance(outcome[0], CollectiveOrderError)
+    assert "inner was called from inside the function" in str(outcome[0])
+    assert isinstance(outcome[1], ReplicaAbortedError)
 
 
 # extended.update(group=False) gives a tuple of per-copy results (TF's update_regroup).

@@ -266,6 +266,24 @@ def test_input_options_fetch_to_device_defaults_to_true():
         assert np.shares_memory(batch, source)
 
 
+def test_fetch_to_device_none_stored_by_replace_reads_as_false():
+    """TF: only ``InputOptions.__new__`` maps None to True; a None stored by ``_replace`` stays None (TF 2.21 repr)
+    and the strategies read it as False (mirrored_strategy.py ``if not options.experimental_fetch_to_device``;
+    input_util.py's PER_REPLICA check ``options.experimental_fetch_to_device and ...``): TF 2.21 side by side,
+    PER_REPLICA with ``experimental_place_dataset_on_device`` raises for True and runs for False and None."""
+    base = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA,
+                        experimental_place_dataset_on_device=True)
+    stored = base._replace(experimental_fetch_to_device=None)
+    assert stored.experimental_fetch_to_device is None
+    strategy = mirrored()
+    make_dataset = lambda ctx: ms.data.Dataset.range(4).batch(2)  # noqa: E731
+    with pytest.raises(ValueError, match="can not be set to True when experimental_fetch_to_device is True"):
+        strategy.distribute_datasets_from_function(make_dataset, base._replace(experimental_fetch_to_device=True))
+    for options in (stored, base._replace(experimental_fetch_to_device=False)):
+        steps = [local(x) for x in strategy.distribute_datasets_from_function(make_dataset, options)]
+        assert steps == [[[0, 1], [0, 1]], [[2, 3], [2, 3]]]
+
+
 def test_one_device_strategy_rejects_per_replica_datasets_from_function():
     """TF: one_device_strategy.py ``_distribute_datasets_from_function`` raises NotImplementedError
     "InputReplicationMode.PER_REPLICA is only supported in `experimental_distribute_datasets_from_function`
@@ -294,6 +312,46 @@ def test_empty_optional_get_value_raises_invalid_argument_error():
     assert not issubclass(InvalidArgumentError, OutOfRangeError) and empty.element_spec == TensorSpec((), I64)
     full = Optional.from_value((np.arange(3), np.float32(1.0)))
     assert full.element_spec == (TensorSpec((3,), I64), TensorSpec((), F32)) and full.get_value()[0].tolist() == [0, 1, 2]
+
+
+# -- Python numbers in datasets -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, dtype", [
+    ([1.0, 2.0], np.float32), ([1, 2], np.int32), ([[1, 2], [3, 4]], np.int32), ([[1.0, 2], [3, 4]], np.float32),
+    ([True, False], np.bool_), ([2**40, 1], np.int64), ([2**31 - 1], np.int32), ([2**31], np.int64),
+    ([-2**31 - 1], np.int64), ([1 + 2j], np.complex128), ([1, 2.5], np.float32), ([np.float64(1), 2.0], np.float64),
+    ([1, np.float64(2)], np.float32), ([np.int64(1), np.int64(2)], np.int32), ([np.float16(1)], np.float16),
+    ([np.array([1.0]), [2.0]], np.float64), (np.array([1.0, 2.0]), np.float64),
+])
+def test_python_numbers_in_from_tensor_slices_get_tf_dtypes(value, dtype):
+    """TF: ``from_tensor_slices`` converts its components with ``tf.convert_to_tensor`` (structure.py
+    ``normalize_element``), which gives Python floats float32 and ints int32 (int64 past int32's range), a list the
+    dtype of its first leaf when that is a NumPy float; each case printed by TF 2.21 side by side."""
+    assert ms.data.Dataset.from_tensor_slices(value).element_spec.dtype == np.dtype(dtype)
+
+
+def test_python_numbers_in_from_tensors_map_and_optional_get_tf_dtypes():
+    """TF 2.21 side by side: ``from_tensors(1)`` is int32, ``from_tensors(1.0)`` float32, ``from_tensors(2**40)``
+    int64, ``from_tensors([])`` float32 of shape (0,), NumPy scalars keep their dtype, a ``map`` returning 1.0
+    yields float32, ``Optional.from_value(1.0)`` holds a float32 (optional_ops.py ``from_value`` normalizes the
+    value, structure.py ``normalize_element``); integers past int64 raise ValueError ("Can't convert Python
+    sequence with out-of-range integer to Tensor")."""
+    D = ms.data.Dataset
+    specs = [D.from_tensors(v).element_spec for v in (1, 1.0, True, 2**40, np.float64(1), np.int64(1), 1j)]
+    assert [s.dtype for s in specs] == [np.dtype(d) for d in (np.int32, np.float32, np.bool_, np.int64, np.float64,
+                                                                np.int64, np.complex128)]
+    assert D.from_tensors([]).element_spec == TensorSpec((0,), F32)
+    assert D.from_tensors((1, 2.0)).element_spec == (TensorSpec((), np.dtype(np.int32)), TensorSpec((), F32))
+    mapped = D.range(2).map(lambda x: 1.0)
+    assert mapped.element_spec == TensorSpec((), F32) and all(x.dtype == F32 for x in mapped)
+    one = Optional.from_value(1.0)
+    assert one.element_spec == TensorSpec((), F32) and one.get_value().dtype == F32
+    pair = Optional.from_value((1, [1.0, 2.0]))
+    assert pair.element_spec == (TensorSpec((), np.dtype(np.int32)), TensorSpec((2,), F32))
+    assert Optional.from_value(np.float64(1)).element_spec == TensorSpec((), np.dtype(np.float64))
+    for value in (2**63, [2**64], [-2**63 - 1]):
+        with pytest.raises(ValueError, match="out-of-range integer"):
+            D.from_tensors(value)
 
 
 # -- MPI: the same at 2 and 4 ranks ----------------------------------------------------------------------

@@ -16,13 +16,7 @@ import pytest
 
 import mpistrat as ms
 
-
-def make(n=2):
-    return ms.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-
-
-def rid():
-    return ms.get_replica_context().replica_id_in_sync_group
+from helpers import make, multi_worker, rid
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +58,7 @@ def test_reduce_of_a_nested_structure_across_workers(local):
     from mpi4py import MPI
 
     size = MPI.COMM_WORLD.size
-    s = ms.MultiWorkerMirroredStrategy(local_devices=[f"/cpu:{i}" for i in range(local)])
+    s = multi_worker(local)
     n = s.num_replicas_in_sync
     out = s.run(lambda: {"a": np.full(1, float(rid())), "b": [np.full(2, 1.0), np.arange(rid() + 1.0)]})
     got = s.reduce("sum", out, axis=0)  # rows of different lengths per replica: fine along the axis
@@ -73,6 +67,33 @@ def test_reduce_of_a_nested_structure_across_workers(local):
     full = s.reduce("sum", {"a": out["a"], "c": out["b"][0]}, axis=None)
     assert full["a"].tolist() == [n * (n - 1) / 2] and full["c"].tolist() == [float(n)] * 2
     assert n == size * local
+
+
+# A rank reducing an empty nest still takes part in the reduction. TF: "all replicas need to participate in
+# the all-reduce, otherwise this operation hangs ... they need to execute in the same order on all replicas"
+# (distribute_lib.py, ReplicaContext.all_reduce); reduce of () gives () (TF 2.21 side by side). mpistrat
+# checks the ranks' calls instead of hanging: one rank reducing nothing while another reduces a value raises
+# a mismatch on every rank, and the next reduction is not paired with the wrong one.
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("local", [1, 2], ids=["1local", "2local"])
+def test_reduce_of_an_empty_nest_takes_part_across_workers(local):
+    from mpi4py import MPI
+
+    from mpistrat.comm import CollectiveMismatchError
+
+    rank = MPI.COMM_WORLD.rank
+    s = multi_worker(local)
+    n = s.num_replicas_in_sync
+    assert s.reduce("sum", (), axis=None) == () and s.reduce("sum", {}, axis=0) == {}  # every rank: agreed
+    ones = s.run(lambda: np.float32(1.0))
+    with pytest.raises(CollectiveMismatchError, match="array counts"):
+        s.reduce("sum", () if rank == 0 else (ones,), axis=None)
+    rows = s.run(lambda: np.ones(3, np.float32))
+    with pytest.raises(CollectiveMismatchError, match="array counts"):
+        s.reduce("mean", [] if rank == 1 else [rows], axis=0)
+    tens = s.run(lambda: np.float32(10.0 * (rank + 1)))
+    assert float(s.reduce("sum", tens, axis=None)) == 10.0 * local * sum(range(1, MPI.COMM_WORLD.size + 1))
+    assert float(s.reduce("sum", ones, axis=None)) == n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +150,18 @@ def test_mirrored_value_in_replica_context_is_the_replicas_component():
     assert [float(x) for x in s.experimental_local_results(out)] == [10.0, 21.0]
 
 
+def test_distributed_values_have_no_len():
+    # TF's DistributedValues, Mirrored and PerReplica define no __len__ (values.py): TF 2.21 raises
+    # "TypeError: object of type 'Mirrored' has no len()" (and the same for PerReplica), while indexing acts
+    # on the value, so iterating a Mirrored walks the value's first axis.
+    m = ms.Mirrored([np.array([1.0, 3.0, 5.0]), np.array([1.0, 3.0, 5.0])])
+    with pytest.raises(TypeError, match="object of type 'Mirrored' has no len()"):
+        len(m)
+    with pytest.raises(TypeError, match="object of type 'PerReplica' has no len()"):
+        len(ms.PerReplica([np.zeros(2), np.ones(2)]))
+    assert [float(x) for x in m] == [1.0, 3.0, 5.0] and len(m.values) == 2
+
+
 def test_variable_arithmetic_reads_a_mirrored_operand():
     s = make(2)
     with s.scope():
@@ -165,6 +198,23 @@ def test_regroup_of_a_namedtuple_subclass_uses_make():
     assert _Spec.made - before == 2  # the replicas' own constructions only
     assert type(spec) is _Spec and spec.scaffold is scaffold
     assert [float(x) for x in s.experimental_local_results(spec.loss)] == [0.0, 1.0]
+
+
+def test_nest_rebuilds_a_namedtuple_subclass_with_its_own_new():
+    # tf.nest.map_structure and pack_sequence_as call the type (nest_util.py sequence_like:
+    # "instance_type(*args)"), so a subclass's own __new__ runs there; only regroup uses _make. TF 2.21 side
+    # by side: a __new__ taking one argument fails in tf.nest.map_structure with a TypeError.
+    from mpistrat import nest
+
+    before = _Spec.made
+    spec = _Spec(np.float64(1.0), "scaffold")
+    mapped = nest.map_structure(lambda x: x, spec)
+    packed = nest.pack_sequence_as(spec, [np.float64(2.0), "other"])
+    assert _Spec.made - before == 3 and type(mapped) is _Spec and packed == (2.0, "other")
+    with pytest.raises(TypeError):
+        nest.map_structure(lambda x: x, _OneArg(1.0))
+    with pytest.raises(TypeError):
+        nest.pack_sequence_as(_OneArg(1.0), [2.0, 3.0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import pytest
 import mpistrat as ms
 from mpistrat.optimizers import SGD, Adam, get
 
+from helpers import DLPackOnly
+
 GRADS = [np.array([0.5, -1.0, 2.0]), np.array([0.1, 0.3, -0.2]), np.array([-1.5, 0.0, 0.7])]
 W0 = np.array([1.0, 2.0, -3.0])
 
@@ -134,16 +136,6 @@ def test_multi_worker_sums_over_ranks(comm):
 
 def test_foreign_and_big_endian_gradients_are_converted_once():
     """Gradients enter through the one boundary conversion (tf.convert_to_tensor in Keras's apply_gradients)."""
-
-    class DLPackOnly:
-        def __init__(self, a):
-            self._a = a
-
-        def __dlpack__(self, **kwargs):
-            return self._a.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self._a.__dlpack_device__()
 
     strategy = ms.OneDeviceStrategy("/cpu:0")
     with strategy.scope():

@@ -54,8 +54,6 @@ def _check_options(options: Any) -> InputOptions:
         return InputOptions()
     if not isinstance(options, InputOptions):
         raise TypeError(f"options must be an mpistrat.InputOptions, got {type(options).__name__}")
-    if options.experimental_fetch_to_device is None:  # InputOptions(...) maps None to True; _replace does not
-        options = options._replace(experimental_fetch_to_device=True)
     if options.experimental_per_replica_buffer_size < 0:
         raise ValueError(
             f"experimental_per_replica_buffer_size must be >= 0, got {options.experimental_per_replica_buffer_size}"
@@ -211,7 +209,7 @@ class DistributedIterator:
         self._held = 0
         # experimental_place_dataset_on_device (PER_REPLICA, no fetch): each replica's values go to its
         # device as they are handed out, without a prefetch thread.
-        fetch = bool(options.experimental_fetch_to_device)
+        fetch = bool(options.experimental_fetch_to_device)  # a None set by _replace: no fetch, as TF
         placer = _Placer(info.local_devices, fetch or options.experimental_place_dataset_on_device)
         self._placer = placer
         buffer = options.experimental_per_replica_buffer_size
@@ -403,7 +401,7 @@ class DistributedIterator:
     def get_next_as_optional(self) -> Optional:
         """The next step's values as an Optional, empty at the end (on every rank together)."""
         try:
-            return Optional.from_value(self.__next__())
+            return Optional(self.__next__())  # already distributed values: nothing to convert
         except StopIteration:
             return Optional._empty_with_spec_from(lambda: self.element_spec)
 

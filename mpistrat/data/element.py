@@ -15,11 +15,12 @@ __all__ = ["normalize_element", "stack_elements", "slice_element", "element_leng
 def normalize_element(x: Any) -> Any:
     """Lists become arrays (as tf.data does); tuples and dicts stay structures; numbers become NumPy.
 
-    Arrays from other libraries are converted once (``arrays.as_array``: NumPy, or CuPy for GPU
+    Python numbers and lists get TF's dtypes (``arrays.python_default_dtype``: float32, int32);
+    arrays from other libraries are converted once (``arrays.as_array``: NumPy, or CuPy for GPU
     memory; native byte order); strings and objects stay, as dataset elements may carry them.
     """
     if isinstance(x, list):
-        return np.asarray(x)
+        return np.asarray(x, dtype=arrays.python_default_dtype(x))
     if isinstance(x, dict):
         return type(x)((k, normalize_element(v)) for k, v in x.items()) if type(x) is not dict else {
             k: normalize_element(v) for k, v in x.items()
@@ -29,6 +30,9 @@ def normalize_element(x: Any) -> Any:
         return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
     if isinstance(x, (bytes, str)):
         return x
+    default = arrays.python_default_dtype(x)
+    if default is not None:  # a Python number
+        return np.asarray(x, dtype=default)
     return to_numpy_leaf(arrays.as_array(x, what="dataset element", numeric=False))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from mpistrat.data.element import normalize_element
 from mpistrat.data.errors import InvalidArgumentError
 from mpistrat.data.spec import spec_of
 
@@ -28,8 +29,8 @@ class Optional:
 
     @staticmethod
     def from_value(value: Any) -> "Optional":
-        """An Optional holding ``value``."""
-        return Optional(value)
+        """An Optional holding ``value`` converted as a dataset element (Python numbers and lists: float32, int32)."""
+        return Optional(normalize_element(value))
 
     @staticmethod
     def empty(element_spec: Any = None) -> "Optional":

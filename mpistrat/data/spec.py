@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mpistrat import nest
+from mpistrat import arrays, nest
 from mpistrat.distribute.values import PerReplica
 
 __all__ = ["TensorSpec", "PerReplicaSpec", "spec_of", "per_replica_spec", "batched_spec", "unbatched_spec",
@@ -55,8 +55,10 @@ def _leaf_spec(x: Any) -> Any:
     if isinstance(x, (bytes, str)):
         return TensorSpec((), np.dtype(object))
     shape = tuple(int(d) for d in getattr(x, "shape", np.shape(x)))
-    dtype = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
-    return TensorSpec(shape, dtype)
+    if hasattr(x, "dtype"):
+        return TensorSpec(shape, np.dtype(x.dtype))
+    default = arrays.python_default_dtype(x)  # Python numbers: TF's float32, int32
+    return TensorSpec(shape, default if default is not None else np.asarray(x).dtype)
 
 
 def spec_of(element: Any) -> Any:

@@ -35,8 +35,9 @@ class _InputOptionsFields(NamedTuple):
 class InputOptions(_InputOptionsFields):
     """Options for distributed input, as ``tf.distribute.InputOptions``.
 
-    experimental_fetch_to_device: copy each replica's batch to its device (default True; None means
-      True, as TF); with a positive buffer size a background thread per rank does it ahead of time.
+    experimental_fetch_to_device: copy each replica's batch to its device (default True; None given to
+      the constructor means True, a None stored by ``_replace`` reads as False, both as TF); with a
+      positive buffer size a background thread per rank does it ahead of time.
       On CPU devices the batch already is where the replica reads it: placement copies nothing.
     experimental_replication_mode: PER_WORKER (default) or PER_REPLICA (datasets from function).
     experimental_place_dataset_on_device: build the dataset on the device (PER_REPLICA only).

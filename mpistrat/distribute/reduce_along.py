@@ -9,6 +9,7 @@ import numpy as np
 from mpistrat import arrays
 from mpistrat import devices as dev
 from mpistrat.distribute.values import ReduceOp
+from mpistrat.ops import mean_dtype
 
 __all__ = ["normalize_axis", "reduce_along", "sum_and_count"]
 
@@ -51,7 +52,7 @@ def sum_and_count(x: Any, axis: "int | Sequence[int]") -> tuple:
     axes = normalize_axis(axis, x.ndim)
     total = x.sum(axis=axes)
     count = int(np.prod([x.shape[a] for a in axes]))
-    return total, xp.asarray(count, dtype=total.dtype if total.dtype.kind in "fc" else np.float64)
+    return total, xp.asarray(count, dtype=mean_dtype(total.dtype))
 
 
 def _array_and_module(x: Any) -> tuple[Any, Any]:

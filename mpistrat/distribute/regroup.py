@@ -57,7 +57,28 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
             leaves.append(column[0])
         else:
             leaves.append(wrap_class(column))
-    return nest.pack_sequence_as(first, leaves)
+    return _pack(first, leaves)
+
+
+def _pack(structure: Any, leaves: list) -> Any:
+    """``nest.pack_sequence_as(structure, leaves)``, but a namedtuple is rebuilt with its ``_make``.
+
+    As TF's regroup: a namedtuple subclass's own ``__new__`` is not called
+    (``tf.nest`` calls it), so one that takes other arguments still regroups.
+    """
+    items = nest.children(structure) if nest.is_nested(structure) else ()
+    nested_items = any(issubclass(t, (list, tuple, dict)) for t in set(map(type, items)))
+    if not nested_items and not nest.is_namedtuple(structure):  # no namedtuple anywhere: nest rebuilds it alike
+        return nest.pack_sequence_as(structure, leaves)
+    it = iter(leaves)
+
+    def build(x: Any) -> Any:
+        if not nest.is_nested(x):
+            return next(it)
+        parts = [build(c) for c in nest.children(x)]
+        return type(x)._make(parts) if nest.is_namedtuple(x) else nest.sequence_like(x, parts)
+
+    return build(structure)
 
 
 def _select(local_replica_id: int, structure: Any, keep_variables: bool) -> Any:

@@ -33,6 +33,7 @@ class ReplicaContext:
         self._replica_id_in_sync_group = replica_id_in_sync_group
         self._local_replica_id = local_replica_id
         self._rendezvous = rendezvous if rendezvous is not None else Rendezvous(1)
+        self._initializing = 0  # depth of variable initializers this replica is calling (see _create_variable)
 
     @property
     def strategy(self) -> Any:
@@ -55,6 +56,11 @@ class ReplicaContext:
         return (self._strategy.extended._local_devices[self._local_replica_id],)
 
     def _meet(self, kind: str, payload: Any, fn: Callable[[list], Sequence[Any]]) -> Any:
+        if self._initializing and self._rendezvous.n > 1:
+            raise RuntimeError(
+                f"{kind} was called from a variable's initial_value inside strategy.run. The first replica alone "
+                "calls the initializer (as TF's shared variable creator) while the other replicas wait to create "
+                "the variable, so it cannot meet them: compute the value first and pass it as initial_value.")
         return self._rendezvous.meet(self._local_replica_id, kind, payload, fn)
 
     def _require_current(self) -> None:
@@ -97,32 +103,47 @@ class ReplicaContext:
     def _create_variable(self, kwargs: dict) -> Any:
         """``Variable(**kwargs)`` from this replica: created once, shared by every replica (TF's shared creator).
 
-        The step's replicas meet; their arguments must describe the same
-        variable (``variables.check_same_creation``). The first replica's
-        arguments make it, in its own thread and replica context (a callable
-        initial value is called there, once), then in cross-replica context;
-        every replica gets that variable. Under a multi-worker strategy the
-        initial value is the chief's, as for a variable made in the scope.
+        As TF's creator, the first replica alone calls a callable initial
+        value, in its own thread, replica context and device, before the
+        replicas meet: a variable created inside that initializer is created
+        by the first replica alone, and with several local replicas a
+        cross-replica call inside it (``all_reduce``, ``merge_call``, ...)
+        raises RuntimeError. The replicas then meet; their arguments must
+        describe the same variable (``variables.check_same_creation``), the
+        first replica's make it in cross-replica context, and every replica
+        gets it. Under a multi-worker strategy the initial value is the
+        chief's, as for a variable made in the scope.
         """
         self._require_current()
-        strategy = self._strategy
-        devices = strategy.extended._local_devices
+        if self._local_replica_id == 0 and callable(kwargs["initial_value"]):
+            kwargs = dict(kwargs, initial_value=self._call_initializer(kwargs["initial_value"]))
+        if self._initializing:  # inside the first replica's initializer: nobody to meet
+            return self._make_variable(kwargs)
 
         def run_create(payloads: list) -> list:
             check_same_creation(payloads)
-            first = dict(payloads[0])
-            if callable(first["initial_value"]):
-                with dev.device_scope(devices[0]):
-                    first["initial_value"] = first["initial_value"]()
-            frame = Frame(strategy, None)
-            context.push(frame)
-            try:
-                var = strategy.extended._create_variable(first)
-            finally:
-                context.pop(frame)
-            return [var] * len(payloads)
+            return [self._make_variable(payloads[0])] * len(payloads)
 
         return self._meet("create_variable", kwargs, run_create)
+
+    def _call_initializer(self, initial_value: Callable[[], Any]) -> Any:
+        """``initial_value()`` on the first local device, marked as a variable initializer (see ``_meet``)."""
+        self._initializing += 1
+        try:
+            with dev.device_scope(self._strategy.extended._local_devices[0]):
+                return initial_value()
+        finally:
+            self._initializing -= 1
+
+    def _make_variable(self, kwargs: dict) -> Any:
+        """The strategy's variable for ``kwargs`` (initial value already called), made in cross-replica context."""
+        strategy = self._strategy
+        frame = Frame(strategy, None)
+        context.push(frame)
+        try:
+            return strategy.extended._create_variable(kwargs)
+        finally:
+            context.pop(frame)
 
     def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
         """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""

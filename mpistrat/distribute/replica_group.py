@@ -51,6 +51,7 @@ class Rendezvous:
         self._generation = 0
         self._outcome: tuple[Any, BaseException | None] = (None, None)
         self._abort: BaseException | None = None
+        self._meeting = False  # replica 0 is running a meeting's function (holding the lock)
         self.in_flight: list[InFlightReduction] = []  # reductions the step started asynchronously
 
     def start_step(self) -> None:
@@ -133,10 +134,13 @@ class Rendezvous:
                 + ". Every replica must call the same collectives in the same order."
             )
         else:
+            self._meeting = True
             try:
                 results = fn(payloads)
             except BaseException as exc:  # re-raised in every replica
                 error = exc
+            finally:
+                self._meeting = False
         self._outcome = (results, error)
         self._generation += 1
         self._cond.notify_all()
@@ -146,6 +150,11 @@ class Rendezvous:
         if self.n == 1:  # alone: nobody to wait for or wake (only the calling thread uses this rendezvous)
             return fn([payload])[0]
         with self._cond:
+            if self._meeting:  # only the thread running the meeting's function holds the lock now
+                raise CollectiveOrderError(
+                    f"{kind} was called from inside the function of another meeting of the replicas (a merge "
+                    "function or a reduction): the other replicas wait in that meeting, so they cannot join this "
+                    "one. Call collectives from the replica function itself.")
             if self._abort is not None:
                 raise ReplicaAbortedError("Another replica failed in this step") from self._abort
             generation = self._generation

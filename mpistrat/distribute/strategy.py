@@ -29,6 +29,7 @@ from mpistrat.distribute.reduce_along import reduce_along, sum_and_count
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.replica_group import ReplicaGroup
 from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+from mpistrat.ops import mean_dtype
 
 __all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "ValueContext", "RunOptions"]
 
@@ -66,7 +67,16 @@ class RunOptions:
         self.experimental_xla_options = experimental_xla_options
 
 
-_DEFAULT_SCOPE = "default scope"  # a _StrategyScope entry: the default strategy's scope was entered
+class _DefaultScopeEntry:
+    """The ``_StrategyScope`` entry saying the default strategy's scope was entered (no frame was pushed)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<default strategy scope>"
+
+
+_DEFAULT_SCOPE = _DefaultScopeEntry()
 
 
 class _StrategyScope:
@@ -75,7 +85,7 @@ class _StrategyScope:
     def __init__(self, strategy: "Strategy"):
         self._strategy = strategy
         # One entry per __enter__: the frame pushed, None (nothing pushed) or _DEFAULT_SCOPE.
-        self._entries: list[Frame | str | None] = []
+        self._entries: list[Frame | _DefaultScopeEntry | None] = []
 
     def __enter__(self) -> "Strategy":
         strategy = self._strategy
@@ -336,6 +346,11 @@ class StrategyExtended:
                                                            replica_devices=self._local_devices)
             for (k, _, _), r in zip(pending, reduced):
                 results[k] = r
+        elif self._communicator is not None and self._num_workers > 1:
+            # A rank with nothing to reduce still joins the ranks' agreement (zero arrays), so a rank reducing
+            # values while another reduces none raises a mismatch on every rank instead of pairing one rank's
+            # next reduction with the other's current one.
+            self._communicator.allreduce([], op.wire, options)
         return results
 
     def _require_cross_replica_or_default_context(self) -> None:
@@ -476,9 +491,9 @@ def _copy_if_variable(source: Any, array: Any) -> Any:
 
 
 def _divide(numer: Any, denom: Any) -> Any:
-    """``numer / denom`` in ``numer``'s floating dtype (float64 for integers), as TF's mean along an axis."""
+    """``numer / denom`` in ``numer``'s floating dtype (``ops.mean_dtype``), as TF's mean along an axis."""
     numer = np.asarray(numer)
-    return numer / np.asarray(denom).astype(numer.dtype if numer.dtype.kind in "fc" else np.float64)
+    return numer / np.asarray(denom).astype(mean_dtype(numer.dtype))
 
 
 def _read(value: Any) -> Any:

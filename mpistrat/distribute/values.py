@@ -94,9 +94,6 @@ class DistributedValues:
         """The canonical device of each local value (a NumPy value's is the host CPU, whatever its replica)."""
         return tuple(dev.device_of(v) for v in self._values)
 
-    def __len__(self) -> int:
-        return len(self._values)
-
     def __repr__(self) -> str:
         inner = ",\n  ".join(f"{i}: {v!r}" for i, v in enumerate(self._values))
         return f"{type(self).__name__}:{{\n  {inner}\n}}"

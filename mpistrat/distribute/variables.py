@@ -130,9 +130,16 @@ class BaseVariable(_Operators):
                 f"dtype={self.dtype.name}, numpy={shown}>")
 
 
+def _as_dtype(dtype: Any) -> np.dtype | None:
+    """A ``dtype`` argument as a NumPy dtype (anything with a ``name`` NumPy knows, e.g. CuPy's); None stays None."""
+    if dtype is None or isinstance(dtype, np.dtype):
+        return dtype
+    return np.dtype(getattr(dtype, "name", dtype))
+
+
 def _default_dtype(initial: Any, dtype: Any) -> np.dtype | None:
     if dtype is not None:
-        return np.dtype(getattr(dtype, "name", dtype)) if not isinstance(dtype, np.dtype) else dtype
+        return _as_dtype(dtype)
     return arrays.python_default_dtype(initial)
 
 
@@ -219,8 +226,9 @@ def check_same_creation(per_replica: list[dict]) -> None:
         differ = [k for k in first if first[k] != other[k] and None not in (first[k], other[k])]  # None: not given
         if differ:
             detail = ", ".join(f"{k}: {first[k]!r} (replica 0) vs {other[k]!r} (replica {i})" for k in differ)
+            what = "an unnamed variable" if kwargs["name"] is None else f"variable {kwargs['name']}"
             raise RuntimeError(
-                f"Tried to create variable {kwargs['name']} with mismatching {differ[0]} on device {i} ({detail}). "
+                f"Tried to create {what} with mismatching {differ[0]} on device {i} ({detail}). "
                 "Inside strategy.run every replica must create the same variables in the same order: the first "
                 "replica creates each one and the others get it.")
 
@@ -242,7 +250,7 @@ def _creation_signature(kwargs: dict) -> dict:
     if shape is None and initial is not None and not callable(initial):
         shape = np.shape(initial)
     return {"name": _canonical_name(kwargs["name"]), "shape": None if shape is None else tuple(shape),
-            "dtype": None if kwargs["dtype"] is None else np.dtype(getattr(kwargs["dtype"], "name", kwargs["dtype"])),
+            "dtype": _as_dtype(kwargs["dtype"]),
             "synchronization": kwargs["synchronization"], "aggregation": kwargs["aggregation"],
             "trainable": kwargs["trainable"]}
 
