@@ -158,16 +158,23 @@ class CrossDeviceOps:
             return [list(reduced)]
         return self._spread(reduced, devices)
 
-    def _all_reduce_one(self, reduce_op: ReduceOp, value: np.ndarray, devices: Sequence[str], options: Any = None) -> Any:
-        """``batch_all_reduce(reduce_op, [[value]], devices, options)[0][0]``: one NumPy array of a lone local
-        replica, the commonest call of a multi-worker step, straight to the communicator (nothing to
-        wrap, convert, reduce locally or spread)."""
+    def _all_reduce_alone(self, reduce_op: ReduceOp, leaves: list, devices: Sequence[str], options: Any = None) -> list:
+        """``batch_all_reduce(reduce_op, [leaves], devices, options)[0]`` for the one local replica: native
+        NumPy arrays, the commonest call of a multi-worker step, go straight to the communicator (nothing
+        to wrap, reduce locally or spread; the results are new arrays, the inputs untouched)."""
         comm = self._communicator
-        if (comm is None or comm.size == 1 or len(devices) != 1 or self.check_numerics
-                or value.dtype.kind not in _NUMERIC_KINDS or not value.dtype.isnative):
-            return self.batch_all_reduce(reduce_op, [[value]], devices, options)[0][0]
-        reduced = comm.allreduce([value], reduce_op.wire, options, divisor=self._divisor(reduce_op, 1))[0]
-        return _divide(reduced, self._global_count(1)) if reduce_op is ReduceOp.MEAN else reduced
+        if leaves and comm is not None and comm.size > 1 and len(devices) == 1 and not self.check_numerics:
+            try:
+                native = arrays.as_arrays(leaves, what="all_reduce") is leaves  # native numeric NumPy arrays
+            except Exception:  # a leaf that does not convert: batch_all_reduce raises it on every rank
+                native = False
+            if native:
+                reduced = comm.allreduce(leaves, reduce_op.wire, options, divisor=self._divisor(reduce_op, 1))
+                if reduce_op is ReduceOp.MEAN:
+                    n = self._global_count(1)
+                    return [_divide(r, n) for r in reduced]
+                return reduced
+        return self.batch_all_reduce(reduce_op, [leaves], devices, options)[0]
 
     def batch_all_reduce_async(
         self,

@@ -151,10 +151,10 @@ class ReplicaContext:
         op = ReduceOp.from_string(reduce_op)
         ext = self._strategy.extended
         if type(value) is np.ndarray and self._rendezvous.n == 1:  # the hot case: nothing to walk or rebuild
-            return ext._cross_device_ops._all_reduce_one(op, value, ext._local_devices, options)
+            return ext._cross_device_ops._all_reduce_alone(op, [value], ext._local_devices, options)[0]
         flat = _replica_leaves("all_reduce", value)
         if self._rendezvous.n == 1:  # a lone replica: nobody to meet or to agree with, its leaves are the batch
-            reduced = ext._cross_device_ops.batch_all_reduce(op, [flat], ext._local_devices, options)[0]
+            reduced = ext._cross_device_ops._all_reduce_alone(op, flat, ext._local_devices, options)
             if flat is value:  # a flat list of plain leaves (see _replica_leaves): no structure to rebuild
                 return reduced
         else:
