@@ -21,7 +21,6 @@ __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "HierarchicalCopyAllReduce"
 
 CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
 _NDARRAY_ONLY = {np.ndarray}
-_NUMERIC_KINDS = frozenset("biufc")  # what the fast path hands the communicator unconverted
 
 
 def _as_array(value: Any) -> Any:
