@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import weakref
 from typing import Any
 
 import numpy as np
@@ -11,7 +9,7 @@ from mpi4py import MPI
 
 from mpistrat import ops
 from mpistrat.comm.options import CommunicationImplementation
-from mpistrat.comm.runtime.shm_window import NodeSync, SharedWindow, exiting_cleanly, make_sync
+from mpistrat.comm.runtime.shm_window import NodeSync, SharedWindow, make_sync
 from mpistrat.comm.runtime.topology import Topology
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
 from mpistrat.comm.transport.shm.allreduce import (
@@ -22,12 +20,6 @@ from mpistrat.comm.transport.shm.allreduce import (
 )
 
 __all__ = ["SmallShmTransport"]
-
-
-def _close_at_exit(ref: "weakref.ref[SmallShmTransport]") -> None:
-    transport = ref()
-    if transport is not None and exiting_cleanly():
-        transport.close()
 
 
 class SmallShmTransport(Transport):
@@ -81,7 +73,8 @@ class SmallShmTransport(Transport):
         self._shaped: dict[tuple[tuple[int, ...], np.dtype], tuple] = {}
         self._slot = 0
         self._pending: tuple | None = None  # the entry of _views pack_buffer was last asked for
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # No exit hook of its own: its windows are freed at exit with every other window, in creation order
+        # (shm_window.free_all), the one order every rank shares.
 
     @classmethod
     def create(cls, ctx: TransportContext) -> "SmallShmTransport | None":
