@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old", help="another checkout, run alternately")
     args = parser.parse_args(argv)
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
-    trees = [("new", args.tree)] + ([("old", args.old)] if args.old else [])
+    trees = [("new", os.path.abspath(args.tree))] + ([("old", os.path.abspath(args.old))] if args.old else [])
     for ranks in args.ranks:
         runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
         for k in range(args.runs):
