@@ -16,16 +16,13 @@ import re
 
 import numpy as np
 import pytest
+from strategies import mirrored_two_cpus
 from tfsource import tf_source
 
 import mpistrat as ms
 
 SYNC = ms.VariableSynchronization
 AGG = ms.VariableAggregation
-
-
-def mirrored_two_cpus():
-    return ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
 def collective_two_cpus():

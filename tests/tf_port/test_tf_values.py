@@ -13,6 +13,7 @@ import copy
 
 import numpy as np
 import pytest
+from strategies import mirrored_one_cpu, mirrored_two_cpus, multi_worker_one_cpu, multi_worker_two_cpus
 from tfsource import tf_source
 
 import mpistrat as ms
@@ -26,22 +27,6 @@ _MPI = pytest.mark.mpi(min_size=1)
 
 def one_device():
     return ms.OneDeviceStrategy("/cpu:0")
-
-
-def mirrored_one_cpu():
-    return ms.MirroredStrategy(["/cpu:0"])
-
-
-def mirrored_two_cpus():
-    return ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
-
-
-def multi_worker_one_cpu():
-    return ms.MultiWorkerMirroredStrategy()
-
-
-def multi_worker_two_cpus():
-    return ms.MultiWorkerMirroredStrategy(local_devices=["/cpu:0", "/cpu:1"])
 
 
 # strategy_combinations.multiworker_strategies: one and two local replicas per worker.
