@@ -140,6 +140,44 @@ def test_mpi_resolver_across_ranks(no_slurm, comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_ranks_share_fewer_gpus_round_robin_with_one_warning_per_node(no_slurm, comm):
+    # More ranks than GPUs (a laptop, a one-GPU test node): ranks share them round-robin, and the
+    # node's first rank warns once; no rank fails.
+    import warnings
+
+    size = comm.Get_size()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = MPIClusterResolver(comm, gpus_per_node=1)
+        assert r.local_devices() == ["/gpu:0"]
+        assert r.local_devices() == ["/gpu:0"]  # asked again: bound once, no second warning
+    shared = [w for w in caught if issubclass(w.category, RuntimeWarning) and "share 1 GPU(s)" in str(w.message)]
+    assert len(shared) == (1 if r.local_rank == 0 else 0), [str(w.message) for w in caught]
+    assert sum(comm.allgather(len(shared))) == r.num_nodes
+    if size >= 2:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            two = MPIClusterResolver(comm, gpus_per_node=2)
+            assert two.local_devices() == [f"/gpu:{r.local_rank % 2}"]
+        assert bool([w for w in caught if "share 2 GPU(s)" in str(w.message)]) == (r.local_rank == 0 and r.local_size > 2)
+
+
+def test_warn_shared_gpus_rule():
+    import warnings
+
+    from mpistrat.cluster.resolvers import warn_shared_gpus
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert warn_shared_gpus(0, 4, 2, None) is True
+        assert warn_shared_gpus(1, 4, 2, None) is True  # shared, but only a node's first task warns
+        assert warn_shared_gpus(0, 2, 2, None) is False  # one GPU each
+        assert warn_shared_gpus(0, 4, 0, None) is False  # no GPU: CPUs, nothing shared
+        assert warn_shared_gpus(0, 4, 8, 2) is False  # an explicit GPUs-per-task request
+    assert [str(w.message).split(":")[0] for w in caught] == ["4 tasks on this node share 2 GPU(s)"]
+
+
+@pytest.mark.mpi(min_size=2)
 def test_mpi_resolver_pretend_nodes(no_slurm, comm, monkeypatch):
     monkeypatch.setenv("MPISTRAT_PRETEND_NODES", "2")
     r = MPIClusterResolver(comm, gpus_per_node=1)

@@ -58,3 +58,23 @@ def test_place_dataset_on_device_per_replica_puts_values_on_the_gpu():
     steps = list(dist)
     assert all(isinstance(s, cupy.ndarray) and s.device.id == 0 for s in steps)
     assert [cupy.asnumpy(s).tolist() for s in steps] == [[0, 1], [2, 3]]
+
+
+class _NoImplicitHostCopy:
+    """A device array as CuPy presents it: shape and dtype, and a refusal of implicit NumPy conversion."""
+
+    def __init__(self, array: np.ndarray):
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed.")
+
+
+def test_batch_template_reads_device_arrays_without_converting_them():
+    # Seen on the GPU node: the template of a batch of CuPy arrays asked NumPy for the dtype, which
+    # CuPy refuses, so every GPU input pipeline with prefetch failed at its first batch.
+    from mpistrat.data.splitting import template_of
+
+    spec = template_of((_NoImplicitHostCopy(np.zeros((8, 2), np.float32)), _NoImplicitHostCopy(np.zeros(8, np.int64))))
+    assert [(s.shape, s.dtype) for s in spec] == [((2,), np.float32), ((), np.int64)]
+    assert template_of(np.float64(1.5)).dtype == np.float64 and template_of(3).dtype == np.int64  # via NumPy

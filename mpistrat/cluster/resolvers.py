@@ -25,6 +25,7 @@ __all__ = [
     "default_cluster_resolver",
     "local_devices_for",
     "gpu_binding",
+    "warn_shared_gpus",
     "format_master_url",
     "in_slurm_step",
     "node_gpu_ids",
@@ -219,6 +220,24 @@ def gpu_binding(local_rank: int, local_size: int, num_gpus: int,
     return list(range(local_rank * per_task, (local_rank + 1) * per_task))
 
 
+def warn_shared_gpus(local_rank: int, local_size: int, num_gpus: int, gpus_per_task: int | None) -> bool:
+    """Warn (once per node: from its first task) when ``local_size`` tasks share ``num_gpus`` fewer GPUs.
+
+    The binding is round-robin then (:func:`gpu_binding`), which works, but is slower than one GPU per
+    task and rules out NCCL between the ranks that share a GPU. Returns whether the GPUs are shared.
+    """
+    shared = gpus_per_task is None and 0 < num_gpus < local_size
+    if shared and local_rank == 0:
+        warnings.warn(
+            f"{local_size} tasks on this node share {num_gpus} GPU(s): task k uses GPU k % {num_gpus} "
+            "(round-robin). Replicas on a shared GPU run one after another, and all-reduces between ranks "
+            "on one GPU go through MPI (NCCL needs a GPU per rank). Start one task per GPU for full speed.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return shared
+
+
 # --------------------------------------------------------------------------- GPUs on this node
 
 def _cuda_visible_list() -> list[str] | None:
@@ -367,6 +386,7 @@ class SlurmClusterResolver(ClusterResolver):
         local_id = os.environ.get("SLURM_LOCALID")
         self._local_id = int(local_id) if local_id is not None and local_id.isdigit() else self._task_list[self._rank][1]
         self._own_gpus = self._gpus_at(self._local_id)
+        warn_shared_gpus(self._local_id, self._max_tasks_per_node, self._gpus_per_node, self._gpus_per_task)
 
         self.task_type, self.task_id = None, None
         start = 0
@@ -498,6 +518,7 @@ class MPIClusterResolver(ClusterResolver):
 
                 n = num_gpus()
             self._gpus = gpu_binding(self.local_rank, self._max_local_size, n, self._gpus_per_task)
+            warn_shared_gpus(self.local_rank, self._max_local_size, n, self._gpus_per_task)
         return list(self._gpus)
 
 

@@ -122,8 +122,9 @@ def template_of(value: Any) -> Any:
     """The nest of TensorSpecs of one replica's batch, batch dimension dropped (for empty batches)."""
 
     def spec(x: Any) -> TensorSpec:
+        # Arrays (NumPy, CuPy: which refuses an implicit NumPy conversion) carry their shape and dtype.
         shape = tuple(int(d) for d in np.shape(x))
-        dtype = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+        dtype = np.dtype(x.dtype if isinstance(getattr(x, "dtype", None), np.dtype) else np.asarray(x).dtype)
         return TensorSpec(shape[1:], dtype)
 
     return nest.map_structure(spec, value)
