@@ -1,7 +1,8 @@
 """Reduction operations: ``ReduceOp`` and the one table of what each means on the wire.
 
-:data:`WIRE_OPS` names each wire op's MPI op, NumPy ufunc and NCCL op, so no other module keeps a
-table. MPI is imported only when an MPI op is asked for (``import mpistrat`` loads no MPI).
+:data:`WIRE_OPS` names each wire op's MPI op, NumPy ufunc and NCCL op, and :data:`NCCL_DTYPES` the
+NCCL type of each dtype NCCL reduces, so no other module keeps a table. MPI is imported only when an
+MPI op is asked for (``import mpistrat`` loads no MPI).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["ReduceOp", "mean_dtype", "WireOp", "WIRE_OPS", "wire_op", "mpi_op", "ufunc", "nccl_op"]
+__all__ = ["ReduceOp", "mean_dtype", "WireOp", "WIRE_OPS", "wire_op", "mpi_op", "ufunc", "nccl_op", "nccl_dtype"]
 
 
 class ReduceOp(enum.Enum):
@@ -123,3 +124,17 @@ def nccl_op(op: "ReduceOp | str") -> str:
     """The ``cupy.cuda.nccl`` attribute naming the NCCL op of ``op`` (a ReduceOp or a wire op)."""
     wire = op.wire if isinstance(op, ReduceOp) else wire_op(op)
     return WIRE_OPS[wire].nccl
+
+
+# NumPy dtype name -> the ``cupy.cuda.nccl`` attribute of its NCCL type (NCCL has no bool or complex).
+NCCL_DTYPES: dict[str, str] = {
+    "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+    "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
+    "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
+}
+
+
+def nccl_dtype(dtype: Any) -> "str | None":
+    """The ``cupy.cuda.nccl`` attribute naming ``dtype``'s NCCL type, or None where NCCL has none."""
+    dt = np.dtype(dtype)
+    return NCCL_DTYPES.get(dt.name) if dt.isnative else None

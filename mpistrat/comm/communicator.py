@@ -208,6 +208,11 @@ class RankCommunicator:
         """Whether CuPy buffers go to MPI directly (else host-staged), from this communicator's settings."""
         return bool(mpi_cuda_support(self.settings))
 
+    @property
+    def device_transports(self) -> list[Transport] | None:
+        """The transports of device buckets in the order they are tried (None before the first device bucket)."""
+        return None if self._device_transports is None else list(self._device_transports)
+
     def _device(self) -> list[Transport]:
         """The device transports, made at the first device bucket."""
         if self._device_transports is None:

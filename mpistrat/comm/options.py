@@ -25,9 +25,11 @@ class CommunicationImplementation(enum.Enum):
     """Cross-rank collective implementation: a row of the transport table (comm/transport/table.py).
 
     AUTO, RING and NCCL are TensorFlow's names. AUTO takes the node
-    shared-memory transport from its size threshold and plain MPI otherwise;
-    RING takes plain MPI; NCCL puts NCCL first for device buckets (within a rank
-    it is used whenever the rank has several GPUs) and MPI for host buckets.
+    shared-memory transport from its size threshold and plain MPI otherwise for host
+    buckets, and NCCL across ranks for device buckets where every rank has a GPU of
+    its own; RING takes plain MPI; NCCL is AUTO for device buckets, warning when the
+    ranks share GPUs, and MPI for host buckets (within a rank NCCL is used whenever
+    the rank has several GPUs).
     MPI (plain MPI only) and SHM (the shared-memory transport at every size up
     to its limit) are mpistrat's.
     """

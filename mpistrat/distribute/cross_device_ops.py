@@ -360,11 +360,6 @@ class HierarchicalCopyAllReduce(ReductionToOneDevice):
 class NcclAllReduce(CrossDeviceOps):
     """Reduce across the rank's GPUs with NCCL (``cupy.cuda.nccl``)."""
 
-    _NCCL_TYPES = {
-        "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
-        "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint8": "NCCL_UINT8", "int8": "NCCL_INT8",
-    }
-
     def __init__(self, num_packs: int = 1):
         super().__init__()
         if num_packs < 0:
@@ -402,7 +397,7 @@ class NcclAllReduce(CrossDeviceOps):
         for v, d, i in zip(values, devices, ids):
             with cupy.cuda.Device(i):  # NCCL reads C-ordered bytes
                 arrays.append(cupy.ascontiguousarray(dev.to_device(v, d)))
-        dtype = self._NCCL_TYPES.get(arrays[0].dtype.name)
+        dtype = ops.nccl_dtype(arrays[0].dtype)
         if dtype is None:
             return ReductionToOneDevice()._local_reduce(op, values, devices)
         with cupy.cuda.Device(ids[0]):
@@ -423,7 +418,7 @@ class NcclAllReduce(CrossDeviceOps):
         from cupy.cuda import nccl  # noqa: PLC0415
 
         ids = self._ids(devices)
-        dtype = self._NCCL_TYPES.get(value.dtype.name)
+        dtype = ops.nccl_dtype(value.dtype)
         if dtype is None:
             return super()._local_broadcast(value, devices)
         comms = self._nccl_comms(ids)

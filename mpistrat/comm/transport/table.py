@@ -39,6 +39,7 @@ FACTORIES: dict[str, Factory | str] = {
     "shm": "mpistrat.comm.transport.shm.allreduce:ShmTransport.create",
     "mpi": MpiTransport.create,
     "device-mpi": DeviceMpiTransport.create,
+    "nccl": "mpistrat.comm.transport.nccl:NcclTransport.create",  # None unless every rank has a GPU of its own
 }
 
 # The fallback of each kind: it ends every list of that kind.
@@ -53,12 +54,11 @@ PREFERENCES: dict[tuple[str, CommunicationImplementation], tuple[str, ...]] = {
     (HOST, _I.MPI): ("mpi",),
     (HOST, _I.RING): ("mpi",),
     (HOST, _I.NCCL): ("mpi",),  # NCCL moves device buffers; host buckets take MPI
-    (DEVICE, _I.AUTO): ("device-mpi",),
+    (DEVICE, _I.AUTO): ("nccl", "device-mpi"),
     (DEVICE, _I.SHM): ("device-mpi",),
     (DEVICE, _I.MPI): ("device-mpi",),
     (DEVICE, _I.RING): ("device-mpi",),
-    # NCCL across ranks goes first here once its transport is registered ("nccl").
-    (DEVICE, _I.NCCL): ("device-mpi",),
+    (DEVICE, _I.NCCL): ("nccl", "device-mpi"),
 }
 
 

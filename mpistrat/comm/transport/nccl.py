@@ -1,0 +1,192 @@
+"""The NCCL transport: device buckets reduced by NCCL across ranks, one GPU per rank.
+
+NCCL refuses two ranks on one GPU, so NCCL runs only where every rank of the communicator has a GPU of
+its own. The ranks decide together at their first device bucket, once the agreement check has passed:
+each tells the others its host and the PCI bus id of the GPU the bucket lives on
+(:func:`nccl_feasible`); where GPUs are shared every bucket goes through the device MPI transport
+instead. Else rank 0 broadcasts an NCCL unique id over MPI and every rank makes the NCCL communicator
+on its GPU. Reductions run on a stream of their own, ordered after the producer's stream by an event and
+before its next work by another, so the host never waits for them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.comm.options import CommunicationImplementation
+from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
+from mpistrat.comm.transport.buffers import GrowableBuffers
+from mpistrat.comm.transport.cuda import DeviceMpiTransport
+from mpistrat.ops import WIRE_OPS, nccl_dtype
+
+__all__ = ["NcclTransport", "GpuSeat", "nccl_feasible", "local_seat"]
+
+_NO_DEVICE = -1  # local_seat without asking for a device: only whether NCCL is there
+
+
+class GpuSeat(NamedTuple):
+    """What one rank tells the others before they decide on NCCL."""
+
+    host: str  # MPI.Get_processor_name(): the machine (pretend nodes share one)
+    nccl: str  # "" when NCCL can run here, else why not
+    gpu: str  # the PCI bus id of the rank's CUDA device ("" without one)
+
+
+def local_seat(host: str, device: int | None = None) -> GpuSeat:
+    """This rank's :class:`GpuSeat`: whether CuPy's NCCL is there, and the bus id of ``device`` (default:
+    the current CUDA device)."""
+    try:
+        import cupy  # noqa: PLC0415
+        from cupy.cuda import nccl  # noqa: PLC0415
+    except Exception as exc:  # ImportError, CUDA libraries missing
+        return GpuSeat(host, f"CuPy is not available ({type(exc).__name__}: {exc})", "")
+    if not getattr(nccl, "available", False):
+        return GpuSeat(host, "CuPy was built without NCCL", "")
+    if device == _NO_DEVICE:
+        return GpuSeat(host, "", "")
+    try:
+        return GpuSeat(host, "", str(cupy.cuda.Device(device).pci_bus_id))
+    except Exception as exc:  # no CUDA device, driver errors
+        return GpuSeat(host, f"no CUDA device ({type(exc).__name__}: {exc})", "")
+
+
+def nccl_feasible(seats: Sequence[GpuSeat]) -> tuple[bool, str]:
+    """Whether NCCL can reduce across these ranks (one seat per rank, in rank order), and why not.
+
+    Every rank needs NCCL and a GPU of its own: two ranks on one node with the same GPU rule it out
+    (NCCL refuses to run two ranks of one communicator on one device).
+    """
+    missing = [f"rank {r}: {s.nccl}" for r, s in enumerate(seats) if s.nccl]
+    if missing:
+        return False, "NCCL is not usable on every rank (" + "; ".join(missing) + ")"
+    owners: dict[tuple[str, str], list[int]] = {}
+    for r, s in enumerate(seats):
+        owners.setdefault((s.host, s.gpu), []).append(r)
+    shared = [f"ranks {', '.join(map(str, ranks))} share GPU {gpu} on {host}"
+              for (host, gpu), ranks in owners.items() if len(ranks) > 1]
+    if shared:
+        return False, "NCCL needs a GPU per rank: " + "; ".join(shared)
+    return True, ""
+
+
+class NcclTransport(Transport):
+    """CuPy buckets (and other ``__cuda_array_interface__`` buffers) all-reduced with NCCL.
+
+    Takes the dtypes NCCL has (:func:`mpistrat.ops.nccl_dtype`); other buckets fall to the device MPI
+    transport. The agreement hook is called before NCCL is handed anything, so a mismatched call
+    raises on every rank before any data is combined. Where the ranks share GPUs (decided at the first
+    bucket) every bucket goes to ``fallback``, and under ``implementation=NCCL`` rank 0 warns why.
+    """
+
+    name = "nccl"
+
+    def __init__(self, comm: MPI.Comm, fallback: Transport, warn: bool = False) -> None:
+        self.comm = comm
+        self.host = MPI.Get_processor_name()
+        self.fallback = fallback
+        self.warn = warn
+        self.label = "nccl (not decided yet)"
+        self.why_not: str | None = None  # None: not decided; "": NCCL runs; else why it does not
+        self._nccl: Any = None  # cupy.cuda.nccl.NcclCommunicator
+        self._device: int | None = None
+        self._stream: Any = None
+        self._buffers = GrowableBuffers(self._device_empty)
+
+    @classmethod
+    def create(cls, ctx: TransportContext) -> "NcclTransport | None":
+        """The transport-table factory (collective): None on every rank unless NCCL is there on all."""
+        if not all(ctx.comm.allgather(not local_seat("", _NO_DEVICE).nccl)):
+            return None
+        return cls(ctx.comm, DeviceMpiTransport.create(ctx),
+                   warn=ctx.options.implementation is CommunicationImplementation.NCCL)
+
+    # -- the decision, at the first bucket ------------------------------------------------------
+    def _decide(self, device: int) -> None:
+        """Whether NCCL runs (collective; after the first bucket's agreement), and if so its communicator."""
+        seats = [GpuSeat(*s) for s in self.comm.allgather(tuple(local_seat(self.host, device)))]
+        ok, why = nccl_feasible(seats)
+        self.why_not = why
+        if not ok:
+            self.label = f"nccl unused: {self.fallback.name} ({why})"
+            if self.warn and self.comm.Get_rank() == 0:
+                warnings.warn(f"implementation=NCCL: device buckets go through MPI instead, because {why}",
+                              RuntimeWarning, stacklevel=4)
+            return
+        import cupy  # noqa: PLC0415
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        uid = nccl.get_unique_id() if self.comm.Get_rank() == 0 else None
+        uid = self.comm.bcast(uid, root=0)
+        with cupy.cuda.Device(device):
+            self._nccl = nccl.NcclCommunicator(self.comm.Get_size(), uid, self.comm.Get_rank())
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._device = device
+        self.label = f"nccl on GPU {device}"
+
+    @staticmethod
+    def _device_empty(count: int, dtype: np.dtype) -> Any:
+        import cupy  # noqa: PLC0415
+
+        return cupy.empty(count, dtype=dtype)
+
+    # -- the contract --------------------------------------------------------------------------
+    def enabled(self, nbytes: int, dtype: np.dtype, op: str) -> bool:
+        """Buckets of a dtype NCCL has, with an op NCCL has."""
+        return nccl_dtype(dtype) is not None and op in WIRE_OPS
+
+    def pack_buffer(self, count: int, dtype: np.dtype) -> Any:
+        """This dtype's reusable device buffer, ``count`` items, on the current device."""
+        return self._buffers.get(count, dtype)
+
+    def allreduce_packed(self, count: int, dtype: np.dtype, op: str, hook: AgreementHook, out: Any = None) -> Any:
+        """Reduce the packed buffer into ``out``, or in place (then the buffer is returned)."""
+        buf = self._buffers.get(count, dtype)
+        if out is None:
+            self.allreduce_array(MPI.IN_PLACE, buf, op, hook)
+            return buf
+        self.allreduce_array(buf, out, op, hook)
+        return out
+
+    def allreduce_array(self, src: Any, dst: Any, op: str, hook: AgreementHook) -> None:
+        """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``, on NCCL's stream."""
+        import cupy  # noqa: PLC0415
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        out = _as_cupy(dst)
+        hook.staged()  # every rank agreed (or raised) before anything below
+        if self.why_not is None:
+            self._decide(int(out.device.id))
+        if self._nccl is None:
+            self.fallback.allreduce_array(src, dst, op, NO_AGREEMENT)
+            return
+        send = out if src is MPI.IN_PLACE else _as_cupy(src)
+        producer = cupy.cuda.get_current_stream()
+        with cupy.cuda.Device(self._device):
+            self._stream.wait_event(producer.record())
+            self._nccl.allReduce(send.data.ptr, out.data.ptr, out.size, getattr(nccl, nccl_dtype(out.dtype)),
+                                 getattr(nccl, WIRE_OPS[op].nccl), self._stream.ptr)
+            producer.wait_event(self._stream.record())
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator, close the fallback, drop the buffers."""
+        if self._nccl is not None:
+            self._stream.synchronize()
+            self._nccl.destroy()
+            self._nccl = None
+        self.fallback.close()
+        self._buffers.clear()
+
+    def describe(self) -> dict[str, Any]:
+        """The name, and whether NCCL runs (with the GPU) or why not."""
+        return {"name": self.name, "label": self.label}
+
+
+def _as_cupy(x: Any) -> Any:
+    """A CuPy view of a device buffer (CuPy arrays as they are; other ``__cuda_array_interface__`` buffers wrapped)."""
+    import cupy  # noqa: PLC0415
+
+    return x if isinstance(x, cupy.ndarray) else cupy.asarray(x)
