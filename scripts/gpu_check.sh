@@ -53,13 +53,14 @@ PY
 } >"$out/info.log" 2>&1
 cat "$out/info.log"
 
-pytest_args=(-q -p no:cacheprovider -m gpu -o addopts="" --timeout=60)
+pytest_args=(-q -rA -p no:cacheprovider -m gpu -o addopts="" --timeout=60)
 step tests-serial 70 "$py" -m pytest --with-mpi "${pytest_args[@]}" --junitxml="$out/serial.xml" tests
 step tests-n2 60 mpiexec -n 2 "$py" -m pytest --only-mpi "${pytest_args[@]}" tests
 train=(examples/train.py --epochs 5 --seed 0 --no-progress --data-dir /tmp/mpistrat-digits)
 step train-cpu 30 "$py" "${train[@]}" --devices /cpu:0
 step train-gpu 30 "$py" "${train[@]}" --devices /gpu:0
 step train-gpu-n2 30 mpiexec -n 2 "$py" "${train[@]}"
+step train-gpu-mirrored 30 "$py" "${train[@]}" --strategy mirrored --devices /gpu:0
 step train-cpu-n2 30 mpiexec -n 2 "$py" "${train[@]}" --devices /cpu:0
 step bench-n1 25 "$py" benchmarks/gpu_allreduce.py --max-size 64M --budget 0.15
 step bench-n2 50 mpiexec -n 2 "$py" benchmarks/gpu_allreduce.py --budget 0.2

@@ -156,3 +156,35 @@ def test_host_on_one_rank_device_on_another_is_a_mismatch(comm, monkeypatch):
         item = HostCudaArray(a) if rc.rank == 0 else a
         with pytest.raises(CollectiveMismatchError, match=r"array kinds .*rank 0 sent \[\(4,\), float32, CUDA buffer\]"):
             rc.allreduce([item], "sum", inplace=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+def test_host_staging_moves_a_fused_bucket_once_through_reused_pinned_memory(comm, monkeypatch):
+    # No silent host round trip per array: ten CuPy arrays are packed on the device into one bucket,
+    # which crosses to the host once, into the same page-locked buffer every call.
+    import cupy
+
+    monkeypatch.setenv(CUDA_AWARE_ENV, "0")
+    with RankCommunicator(comm, CommunicationOptions(implementation="MPI")) as rc:
+        xs = [cupy.full(100 * (i + 1), rc.rank + 1, cupy.float32) for i in range(10)]
+        rc.allreduce(xs, "sum")
+        (transport,) = rc.device_transports
+        assert transport.label == "host-staged-mpi"
+        staged = []
+        real_get = transport._staging.get
+
+        def spy(count, dtype, slot=0):
+            host = real_get(count, dtype, slot)
+            staged.append((count, host.ctypes.data))
+            return host
+
+        transport._staging.get = spy
+        for _ in range(2):
+            out = rc.allreduce(xs, "sum")
+        n = rc.size
+        assert [c for c, _ in staged] == [5500, 5500], staged  # one bucket (sum of 100..1000) per call
+        assert staged[0][1] == staged[1][1]  # the same pinned buffer, reused
+        for i, o in enumerate(out):
+            assert isinstance(o, cupy.ndarray) and o.device.id == xs[i].device.id
+            cupy.testing.assert_array_equal(o, cupy.full(100 * (i + 1), n * (n + 1) / 2, cupy.float32))

@@ -78,3 +78,33 @@ def test_batch_template_reads_device_arrays_without_converting_them():
     spec = template_of((_NoImplicitHostCopy(np.zeros((8, 2), np.float32)), _NoImplicitHostCopy(np.zeros(8, np.int64))))
     assert [(s.shape, s.dtype) for s in spec] == [((2,), np.float32), ((), np.int64)]
     assert template_of(np.float64(1.5)).dtype == np.float64 and template_of(3).dtype == np.int64  # via NumPy
+
+
+@pytest.mark.gpu
+def test_prefetch_copies_overlap_the_step_on_the_gpu():
+    # Checked with CUDA events on the GPU's own clock, not wall-clock guesses: while the step's kernels
+    # run on the compute stream, the prefetch thread's copies of the next batches run on theirs.
+    import cupy
+
+    ref = cupy.cuda.Event()
+    ref.record()
+    ds = D.Dataset.from_tensor_slices(np.ones((8, 1 << 20), np.float32)).batch(1)  # 4 MiB per step
+    it = iter(DistributedDataset(ds, InputWorkerInfo.single(("/gpu:0",)),
+                                 InputOptions(experimental_per_replica_buffer_size=2)))
+    a = cupy.ones((2048, 2048), cupy.float32)
+    computes = []
+    for x in it:
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(40):  # about 10 ms of matrix products, queued without waiting
+            a = (a @ a) * (1.0 / 2048)
+        assert float(x.sum()) == 1 << 20  # the batch arrived whole (this waits for the stream)
+        end.record()
+        computes.append((start, end))
+    end.synchronize()
+    at = lambda e: cupy.cuda.get_elapsed_time(ref, e)  # noqa: E731  ms since ref, on the GPU's clock
+    copies = [(at(s), at(e)) for _, s, e in it._placer.copy_events]
+    steps = [(at(s), at(e)) for s, e in computes]
+    assert len(copies) == 8 and all(e >= s for s, e in copies)
+    overlapping = [c for c in copies if any(c[0] < e and c[1] > s for s, e in steps)]
+    assert overlapping, f"no copy overlapped a step: copies {copies}, steps {steps}"

@@ -113,6 +113,9 @@ class _Placer:
         self.fetch = fetch_to_device
         self.gpu = {d: is_gpu(d) for d in devices}
         self.streams: dict = {}
+        # The CUDA events around the latest copies to GPUs, (device, start, end) each: when a copy ran on
+        # the GPU, next to the step's kernels (cupy.cuda.get_elapsed_time between any two of a device).
+        self.copy_events: collections.deque = collections.deque(maxlen=64)
 
     def _leaf(self, x: Any, device: str) -> Any:
         if isinstance(x, np.ndarray):
@@ -146,9 +149,13 @@ class _Placer:
             stream = self.streams.get(k)
             if stream is None:
                 stream = self.streams[k] = cupy.cuda.Stream(non_blocking=True)
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
             with stream:
+                start.record(stream)
                 placed = nest.map_structure(lambda x: self._leaf(x, device), value)
+                end.record(stream)
             stream.synchronize()
+        self.copy_events.append((k, start, end))
         return placed
 
 
