@@ -97,11 +97,38 @@ def rank_communicator(rc: Any) -> Callable[[Any], Callable[[], None]]:
     return setup
 
 
+def profile(world: MPI.Comm, strategy: ms.Strategy, device: str, size: int, say: Callable[..., None]) -> int:
+    """cProfile of 500 ``strategy.run(all_reduce)`` calls of ``size`` bytes (after 50 unprofiled), by own time."""
+    import cProfile  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    import cupy  # noqa: PLC0415
+
+    with cupy.cuda.Device(ms.devices.device_index(device)):
+        call = in_strategy(strategy)(cupy.zeros(size // 4, cupy.float32))
+        for _ in range(50):
+            call()
+        world.Barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            call()
+        prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    say(f"# cProfile of 500 strategy all_reduce calls of {human(size)}, rank 0, sorted by own time")
+    say(text.getvalue())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--min-size", default="4K")
     parser.add_argument("--max-size", default="256M")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per size (default 0.3)")
+    parser.add_argument("--profile", metavar="SIZE", default=None,
+                        help="instead of the table: cProfile 500 strategy calls of SIZE on every rank, rank 0 prints")
     args = parser.parse_args(argv)
     import cupy  # noqa: PLC0415
 
@@ -118,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"# {n} rank(s); this rank's device {device}: {props['name'].decode()}; CuPy {cupy.__version__}, "
         f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}; MPI: {MPI.Get_library_version().splitlines()[0]}; "
         f"CUDA-aware MPI: {aware}")
+    if args.profile:
+        return profile(world, mwms, device, parse_size(args.profile), say)
     columns: list[tuple[str, Callable[[Any], Callable[[], None]]]] = [("raw staged", raw_staged(world, staging))]
     if aware:
         columns.append(("raw aware", raw_aware(world)))

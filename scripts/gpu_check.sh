@@ -64,5 +64,6 @@ step train-gpu-mirrored 30 "$py" "${train[@]}" --strategy mirrored --devices /gp
 step train-cpu-n2 30 mpiexec -n 2 "$py" "${train[@]}" --devices /cpu:0
 step bench-n1 25 "$py" benchmarks/gpu_allreduce.py --max-size 64M --budget 0.15
 step bench-n2 50 mpiexec -n 2 "$py" benchmarks/gpu_allreduce.py --budget 0.2
+step profile-n2 30 mpiexec -n 2 "$py" benchmarks/gpu_allreduce.py --profile 64K
 echo "=== summary ==="
 cat "$summary"

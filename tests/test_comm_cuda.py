@@ -188,3 +188,19 @@ def test_host_staging_moves_a_fused_bucket_once_through_reused_pinned_memory(com
         for i, o in enumerate(out):
             assert isinstance(o, cupy.ndarray) and o.device.id == xs[i].device.id
             cupy.testing.assert_array_equal(o, cupy.full(100 * (i + 1), n * (n + 1) / 2, cupy.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+def test_repeated_calls_alternating_numpy_and_cupy_of_one_shape_keep_their_kind(comm):
+    # A repeated call of one array reuses its plan by (op, divisor, shape, dtype, array type): a NumPy
+    # array and a CuPy array of the same shape and dtype have plans of their own.
+    import cupy
+
+    with RankCommunicator(comm) as rc:
+        n = rc.size
+        for i in range(6):
+            xp = cupy if i % 2 else np
+            (out,) = rc.allreduce([xp.full(1000, rc.rank + i, np.float32)], "sum")
+            assert type(out) is type(xp.empty(0))
+            assert float(out[0]) == n * (n - 1) / 2 + n * i and float(out[-1]) == float(out[0])

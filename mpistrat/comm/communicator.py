@@ -94,6 +94,16 @@ def _traced(name: str) -> Callable:
     return wrap
 
 
+def _plain_array(a: Any) -> bool:
+    """Whether ``a`` is exactly a NumPy or a CuPy ndarray (no subclass): a call of one such array may take
+    the lean path of a repeated call (its plan filed by op, divisor, shape and dtype)."""
+    kind = type(a)
+    if kind is np.ndarray:
+        return True
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and kind is cupy.ndarray
+
+
 class RankCommunicator:
     """Cross-rank collectives over a duplicate of ``comm`` (collective to create).
 
@@ -246,11 +256,11 @@ class RankCommunicator:
         """
         if (type(arrays) is list and len(arrays) == 1 and options is None and not inplace and type(op) is str
                 and (divisor is None or type(divisor) is int)):
-            # A call of one NumPy array repeated with the communicator's options: its plan, key and
+            # A call of one NumPy or CuPy array repeated with the communicator's options: its plan, key and
             # fingerprint are filed by what the call is made of, so nothing is built or hashed but that.
             a = arrays[0]
-            if type(a) is np.ndarray:
-                plan = self._planner.singles.get((op, divisor, a.shape, a.dtype))
+            if _plain_array(a):
+                plan = self._planner.singles.get((op, divisor, a.shape, a.dtype, type(a)))
                 if plan is not None and self._worker is None and self.size > 1 and not timeline.enabled():
                     return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
         return self._allreduce(arrays, op, options, inplace, divisor)
@@ -297,7 +307,7 @@ class RankCommunicator:
                 plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
                                                first.transport.folds_agreement)
             mode = CHECKED
-        if type(single) is np.ndarray and type(op) is str:
+        if _plain_array(single) and type(op) is str:
             self._planner.file_single(op, divisor, single, plan)
         if self.size == 1:
             if mode != CHECKED:

@@ -96,12 +96,13 @@ class Planner:
         """The plan filed under ``key``, if any."""
         return self._plans.get(key)
 
-    def file_single(self, op: Any, divisor: int | None, array: np.ndarray, plan: Plan) -> None:
-        """File ``plan`` under ``(op, divisor, array.shape, array.dtype)`` too: the plan of a call of this
-        one array (not in place, the communicator's options), op and divisor spelled as given."""
+    def file_single(self, op: Any, divisor: int | None, array: Any, plan: Plan) -> None:
+        """File ``plan`` under ``(op, divisor, array.shape, array.dtype, type(array))`` too: the plan of a
+        call of this one NumPy or CuPy array (not in place, the communicator's options), op and divisor
+        spelled as given."""
         if len(self.singles) >= PLAN_CACHE_MAX:
             self.singles.clear()
-        self.singles[(op, divisor, array.shape, array.dtype)] = plan
+        self.singles[(op, divisor, array.shape, array.dtype, type(array))] = plan
 
     @staticmethod
     def invalid(sig: tuple, op: str) -> Exception | None:
