@@ -9,7 +9,7 @@ import numpy as np
 
 from mpistrat import devices as dev
 
-__all__ = ["as_array", "as_arrays", "python_default_dtype"]
+__all__ = ["as_array", "as_arrays", "python_default_dtype", "kind_change_error"]
 
 # Every native-byte-order dtype mpistrat computes with: bool, integers, floating point, complex.
 _NATIVE_NUMERIC = frozenset(np.dtype(code) for code in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"])
@@ -83,6 +83,41 @@ def python_default_dtype(value: Any) -> np.dtype | None:
     if isinstance(value, (list, tuple)):
         return _sequence_dtype(value)
     return None
+
+
+# The kinds of value each kind of dtype takes without a change of kind. TF's rule (IsCompatible in
+# tensorflow/python/eager/pywrap_tensor.cc, which decides what convert_to_tensor(value, dtype) casts):
+# integers into integers, integers and floats into floats, every number into complex, only bools into
+# bool. Bools go into numbers too, as TF's converters take Python True as 1 (and NumPy bools are cast).
+_TAKES_KINDS = {"b": "b", "i": "biu", "u": "biu", "f": "biuf", "c": "biufc"}
+_KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "floating-point values",
+               "c": "complex values"}
+_PYTHON_KINDS = ((bool, "b"), (int, "i"), (float, "f"), (complex, "c"))  # bool first: it is an int
+
+
+def kind_change_error(value: Any, dtype: Any, what: str) -> TypeError | None:
+    """The TypeError for making ``value`` (a number or an array as :func:`as_array` returns it) ``dtype``
+    when that changes its kind, or None; ``what`` names the target (``"assign to variable 'v'"``).
+
+    Refused are floating-point into integer (the fraction would be cut, NaN would become an arbitrary
+    integer), complex into real or integer (the imaginary part would be dropped) and numbers into bool,
+    as TF's ``convert_to_tensor(value, dtype)`` refuses them for Python values ("Cannot convert 1.7 to
+    EagerTensor of dtype int32"). Changes within a kind (float64 into float32, int64 into int32) and
+    widening ones (integers into floats, anything numeric into complex, bools into numbers) are taken, as
+    TF takes them. TF casts NumPy arrays whatever their kind; mpistrat refuses those changes of kind for
+    every value, so no assignment loses data silently.
+    """
+    if hasattr(value, "dtype"):  # NumPy and CuPy arrays, NumPy scalars
+        kind, given = value.dtype.kind, str(value.dtype)
+    else:
+        kind = next((k for t, k in _PYTHON_KINDS if isinstance(value, t)), "O")
+        given = f"Python {type(value).__name__}"
+    target = np.dtype(dtype)
+    if kind in _TAKES_KINDS.get(target.kind, target.kind):
+        return None
+    return TypeError(f"{what} of dtype {target}: the value has dtype {given}; {_KIND_NAMES.get(kind, 'such values')} "
+                     f"do not become {_KIND_NAMES.get(target.kind, str(target))} implicitly (TensorFlow refuses "
+                     "this for Python values); convert the value explicitly first if that is meant")
 
 
 def _sequence_dtype(value: list | tuple) -> np.dtype | None:

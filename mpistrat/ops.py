@@ -107,6 +107,24 @@ def wire_op(op: Any) -> str:
     raise ValueError(f"Unknown all-reduce op {op!r}; expected 'sum', 'min' or 'max' (or a ReduceOp)")
 
 
+@functools.lru_cache(maxsize=256)
+def reduce_dtype_error(dtype: Any, wire: str) -> str | None:
+    """Why the wire op ``wire`` cannot reduce values of ``dtype``, or None: the one rule of every reduction,
+    within one process (local replicas) and across ranks, so both fail alike.
+
+    Integer, floating-point and complex dtypes reduce. Bool does not (a sum of booleans is a count, not a
+    boolean, and TF has no bool kernel for AddN or its collective all-reduce), nor do strings, objects or
+    structured dtypes; ``"min"`` and ``"max"`` are not defined for complex values (they have no order). The
+    reason reads after the value's name: ``f"{what} {reason}"``.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "iufc":
+        return f"has dtype {dtype}; supported are integer, float and complex dtypes"
+    if dtype.kind == "c" and not WIRE_OPS[wire].complex_ok:
+        return f"has dtype {dtype}: op {wire!r} is not defined for complex dtypes"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def mpi_op(wire: str) -> Any:
     """The ``mpi4py.MPI.Op`` of a wire op (imports MPI)."""

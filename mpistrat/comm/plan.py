@@ -14,7 +14,7 @@ from mpistrat.comm.fusion import Bucket, ResultPool, plan_buckets
 from mpistrat.comm.signature import CAI, CUPY, HOST
 from mpistrat.comm.transport.base import Transport
 from mpistrat.comm.transport.mpi import mpi_datatype
-from mpistrat.ops import WIRE_OPS
+from mpistrat.ops import reduce_dtype_error
 
 __all__ = ["Step", "Plan", "Planner"]
 
@@ -110,12 +110,9 @@ class Planner:
         not support), or None; found before anything collective, so the check carries it."""
         for i, entry in enumerate(sig):
             dtype = np.dtype(entry[1])
-            if dtype.kind not in "iufc":
-                return TypeError(
-                    f"allreduce: array #{i} has dtype {dtype}; supported are integer, float and complex dtypes"
-                )
-            if dtype.kind == "c" and not WIRE_OPS[op].complex_ok:
-                return TypeError(f"allreduce: op {op!r} is not defined for complex array #{i} ({dtype})")
+            reason = reduce_dtype_error(dtype, op)  # the rule a reduction within one process applies too
+            if reason is not None:
+                return TypeError(f"allreduce: array #{i} {reason}")
             try:
                 mpi_datatype(dtype)
             except ValueError as exc:  # MPI has no such type

@@ -6,6 +6,7 @@ destination devices) and differs only in its two local primitives.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
@@ -17,15 +18,46 @@ from mpistrat.distribute.values import DistributedValues, Mirrored
 from mpistrat.ops import ReduceOp
 
 __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "HierarchicalCopyAllReduce", "NcclAllReduce",
-           "select_cross_device_ops"]
+           "select_cross_device_ops", "check_reducible"]
 
 CHECK_NUMERICS_ENV = "MPISTRAT_CHECK_NUMERICS"
 _NDARRAY_ONLY = {np.ndarray}
+_dtype_of = operator.attrgetter("dtype")
 
 
 def _as_array(value: Any) -> Any:
     """A leaf converted by ``arrays.as_arrays`` as an array: numbers become 0-d NumPy arrays."""
     return value if isinstance(value, np.ndarray) or dev.is_cupy_array(value) else np.asarray(value)
+
+
+def check_reducible(op: ReduceOp, per_replica: Sequence[Sequence[Any]]) -> None:
+    """Raise TypeError unless ``op`` can reduce every leaf, each of one dtype on every local replica.
+
+    ``per_replica[i][j]`` is leaf j of local replica i (converted by ``arrays.as_arrays``). The dtype
+    rule is ``ops.reduce_dtype_error``, the one the cross-rank all-reduce applies, so a reduction within
+    one process fails where one across ranks would; replicas holding one leaf in different dtypes fail
+    as ranks doing so do, instead of being cast to the first replica's dtype.
+    """
+    if not per_replica:
+        return
+    first = _dtypes(per_replica[0])
+    for dtype in dict.fromkeys(first):  # each dtype once, in leaf order (the same error on every rank)
+        reason = ops.reduce_dtype_error(dtype, op.wire)
+        if reason is not None:
+            raise TypeError(f"{op.name} reduction: value #{first.index(dtype)} {reason}")
+    for i in range(1, len(per_replica)):
+        other = _dtypes(per_replica[i])
+        if other != first:
+            j, (dtype, odd) = next((j, pair) for j, pair in enumerate(zip(first, other)) if pair[0] != pair[1])
+            raise TypeError(f"{op.name} reduction: value #{j} has dtype {dtype} on local replica 0 and {odd} on "
+                            f"local replica {i}; every replica must pass one dtype")
+
+
+def _dtypes(leaves: Sequence[Any]) -> list:
+    """The dtype of each leaf (numbers: NumPy's)."""
+    if set(map(type, leaves)) <= _NDARRAY_ONLY:
+        return list(map(_dtype_of, leaves))
+    return [_as_array(leaf).dtype for leaf in leaves]
 
 
 def _divide(array: Any, n: int) -> Any:
@@ -296,6 +328,7 @@ class CrossDeviceOps:
     def _reduce_locally(self, op: ReduceOp, per_replica: list[list], devices: Sequence[str]) -> tuple[list, bool]:
         """The local replicas' leaves reduced onto one device (checked for NaN/Inf first when asked), and
         whether those arrays are this object's own (False: the one replica's arrays themselves)."""
+        check_reducible(op, per_replica)
         if self.check_numerics:
             self._check_finite(per_replica)
         num_local = len(per_replica)

@@ -22,7 +22,7 @@ from mpistrat.distribute import context
 from mpistrat import devices as dev
 from mpistrat.distribute.context import Frame
 from mpistrat.distribute import variables
-from mpistrat.distribute.cross_device_ops import CrossDeviceOps, select_cross_device_ops
+from mpistrat.distribute.cross_device_ops import CrossDeviceOps, check_reducible, select_cross_device_ops
 from mpistrat.distribute.input_options import InputWorkerInfo
 from mpistrat.distribute.regroup import contains_distributed, local_values, regroup, select_component, select_replica
 from mpistrat.distribute.reduce_along import reduce_along, sum_and_count
@@ -304,6 +304,7 @@ class StrategyExtended:
             value = _copy_if_variable(value, value.value())
         else:
             value = arrays.as_array(value, what="reduce")
+        check_reducible(op, [[value]])  # as several ranks would reduce it, even where one process places it
         if self._num_workers > 1 and self._num_local == 1:
             return "reduce", (value,)
         if op is ReduceOp.SUM:

@@ -103,7 +103,9 @@ class BaseVariable(_Operators):
         return arr.astype(dtype) if dtype is not None else arr
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
-        """Set the variable to ``value``."""
+        """Set the variable to ``value``, cast to the variable's dtype within its kind (float64 values into a
+        float32 variable, as TF); a change of kind (floats into an integer variable, complex into real,
+        numbers into bool) raises TypeError, as do ``assign_add`` and ``assign_sub``."""
         return self._assign("assign", value, read_value)
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
@@ -113,6 +115,18 @@ class BaseVariable(_Operators):
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True) -> Any:
         """Subtract ``delta`` from the variable."""
         return self._assign("assign_sub", delta, read_value)
+
+    def _assignable(self, method: str, value: Any) -> Any:
+        """``value`` converted by ``arrays.as_array``; TypeError, naming this variable, its dtype and the
+        value's, when becoming this variable's dtype would change its kind (``arrays.kind_change_error``:
+        no float truncated into an integer, no imaginary part dropped, no number made a bool)."""
+        value = arrays.as_array(value, what=f"{method} to variable {self.name}")
+        if type(value) is np.ndarray and value.dtype == self.dtype:  # the common case
+            return value
+        error = arrays.kind_change_error(value, self.dtype, f"{method} to variable {self.name!r}")
+        if error is not None:
+            raise error
+        return value
 
     @property
     def ndim(self) -> int:
@@ -350,7 +364,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
                 f"Cannot assign a {type(value).__name__} to variable {self._name}, which holds a single value; "
                 "reduce it first (strategy.reduce) or update it per replica with strategy.extended.update.")
         on_gpu = self._on_gpu
-        value = arrays.as_array(value, what=f"{method} to variable {self._name}")
+        value = self._assignable(method, value)
         new = value if not on_gpu and type(value) is np.ndarray else dev.to_device(value, self._device)
         with (dev.device_scope(self._device) if on_gpu else _NO_SCOPE), self._update_lock:
             xp = dev.array_module(self._device) if on_gpu else np
@@ -542,6 +556,9 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     f"Cannot assign a PerReplica value to MirroredVariable {self._name} in cross-replica context: "
                     "its copies must stay identical. Reduce the value first (strategy.reduce / extended.reduce_to), "
                     "or assign inside strategy.run with an aggregation.")
+            if isinstance(value, DistributedValues):  # one value per copy: check all before any copy changes
+                for v in value.values:
+                    self._assignable(method, _operand(v))
             ext.update(self, lambda comp, v: comp._assign(method, v), args=(value,))
             return self
         value = _operand(value)  # another variable: this replica's copy of it
@@ -549,14 +566,18 @@ class MirroredVariable(DistributedVariable, Mirrored):
             raise ValueError(
                 f"Cannot update MirroredVariable {self._name} in replica context with a {type(value).__name__}: "
                 "pass this replica's own value (strategy.run unwraps distributed arguments per replica).")
-        value = arrays.as_array(value, what=f"{method} to variable {self._name}")
         if self._aggregation is VariableAggregation.NONE:
             # As tf.distribute: only this replica's copy changes (keeping the copies equal is the caller's job).
             self._values[frame.replica_context._local_replica_id]._assign(method, value)
             return self
+        try:
+            value = self._assignable(method, value)
+        except TypeError as exc:  # raised in the merge, where every replica and rank meets it
+            value = _Refused(exc)
         var = self
 
         def merge_fn(strategy: Any, v: Any) -> None:
+            var._raise_refused(strategy, v)
             if var._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
                 reduced = var._first_replica_value(v)
             else:
@@ -566,6 +587,31 @@ class MirroredVariable(DistributedVariable, Mirrored):
 
         context.get_replica_context().merge_call(merge_fn, args=(value,))
         return self
+
+    def _raise_refused(self, strategy: Any, value: Any) -> None:
+        """Raise, on every rank, the error of a local replica whose update this variable refused.
+
+        The merge's collective (the aggregation's all-reduce, or ONLY_FIRST_REPLICA's broadcast) would
+        combine the replicas' values: a rank raising alone before it would leave its peers waiting there,
+        so the error goes through the collective's agreement (``fail_collective``). Every rank raises:
+        the TypeError itself where every rank refused the same update, else a mismatch naming it.
+        """
+        for v in strategy.experimental_local_results(value):
+            if type(v) is _Refused:
+                comm = strategy.extended._communicator
+                if comm is not None and comm.size > 1:
+                    only_first = self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA
+                    comm.fail_collective("broadcast" if only_first else "allreduce", v.error)
+                raise v.error
+
+
+class _Refused:
+    """A replica's update that failed its conversion or kind check, carried into the merge to be raised there."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: TypeError) -> None:
+        self.error = error
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -606,7 +652,7 @@ class SyncOnReadVariable(DistributedVariable):
                                  "aggregation is set to `VariableAggregation.SUM`.")
             # Preserve the sum: every copy holds value / num_replicas_in_sync.
             n = self._strategy.num_replicas_in_sync
-            value = dev.to_device(arrays.as_array(value, what=f"{method} to variable {self._name}"), "/cpu:0")
+            value = dev.to_device(self._assignable(method, value), "/cpu:0")
             value = np.asarray(value / n).astype(self.dtype)
         for c in self._values:
             c._assign(method, value)
