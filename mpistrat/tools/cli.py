@@ -19,11 +19,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _version() -> str:
+    from mpistrat import __version__  # noqa: PLC0415
+
+    return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m mpistrat",
                                      description="mpistrat command-line tools")
+    parser.add_argument("--version", action="version", version=f"mpistrat {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = argv[0] if argv else None
     for name, (module, text) in COMMANDS.items():

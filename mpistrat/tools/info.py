@@ -136,12 +136,9 @@ def _communicator_facts(comm: Any) -> dict[str, Any] | str:
 
 
 def _dist_version() -> str:
-    try:
-        from importlib.metadata import version  # noqa: PLC0415
+    from mpistrat import __version__  # noqa: PLC0415  (the one source; also right in a checkout not installed)
 
-        return version("mpistrat")
-    except Exception:
-        return "unknown"
+    return __version__
 
 
 def _yes_no(value: bool | str | None) -> str:

@@ -4,7 +4,7 @@ TF's CollectiveAllReduceStrategy is exported as MultiWorkerMirroredStrategy. Its
 multi-worker cases (an in-process cluster of 3 workers, with or without a chief;
 TF's 2x1 and 2x2 combinations) run here under mpiexec, one rank per worker, at 1,
 2 and 4 ranks: expected values are computed from the rank count as TF computes
-them from its cluster. Rank 0 is the chief (shared/DESIGN.md), so TF's
+them from its cluster. Rank 0 is the chief (docs/design.md), so TF's
 "with chief" cases are the same programs. TF's GPUs per worker become logical
 CPU devices per rank (0 or 1 GPU: one replica, 2 GPUs: two). The single-worker
 cases run a strategy over ``COMM_SELF``: one worker, whatever the launch. The

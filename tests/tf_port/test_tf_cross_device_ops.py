@@ -143,7 +143,7 @@ def test_reduce_to_per_replica_destinations() -> None:
 
 
 @tf_source("cross_device_ops_test.py::CollectiveOpsTest::testReduceDense")
-@pytest.mark.xfail(strict=True, reason="deliberate difference: logical CPU devices (shared/DESIGN.md) share the "
+@pytest.mark.xfail(strict=True, reason="deliberate difference: logical CPU devices (docs/design.md) share the "
                                        "host's memory, so a NumPy value reduced to /cpu:1 reports the host CPU:0")
 def test_reduced_values_are_on_the_destination_devices() -> None:
     """TF: ``assertAllEqual(devices, [v.device for v in reduced_values])``."""

@@ -22,7 +22,7 @@ from tfsource import tf_source
 import mpistrat as ms
 from mpistrat.data import Dataset, OutOfRangeError
 
-LOGICAL_CPUS = ("deliberate difference (logical CPU devices, ../shared/DESIGN.md): a NumPy array carries "
+LOGICAL_CPUS = ("deliberate difference (logical CPU devices, docs/design.md): a NumPy array carries "
                 "no device, so every replica's value reports CPU:0")
 
 

@@ -34,12 +34,12 @@ import mpistrat as ms
 from mpistrat.data import AutoShardPolicy, Dataset, Options, OutOfRangeError
 from mpistrat.data.errors import InvalidArgumentError
 
-BATCH_SPLITTING = ("deliberate difference (batch splitting, ../shared/DESIGN.md): global replica "
+BATCH_SPLITTING = ("deliberate difference (batch splitting, docs/design.md): global replica "
                    "g = rank x local replicas + local id gets piece g of a batch cut like numpy.array_split; "
                    "TF's DATA sharding gives worker w the pieces w, w + W, ...")
-SHORT_BATCH = ("deliberate difference (batch splitting, ../shared/DESIGN.md): a short last batch is cut "
+SHORT_BATCH = ("deliberate difference (batch splitting, docs/design.md): a short last batch is cut "
                "with its own array_split sizes; TF cuts it with the full batch's sizes, early pieces first")
-LOGICAL_CPUS = ("deliberate difference (logical CPU devices, ../shared/DESIGN.md): a NumPy array carries "
+LOGICAL_CPUS = ("deliberate difference (logical CPU devices, docs/design.md): a NumPy array carries "
                 "no device, so every replica's value reports CPU:0")
 
 
@@ -296,7 +296,7 @@ def _uneven_four_replicas(input_type, drop_remainder):
 @pytest.mark.parametrize("input_type", ["dataset", "input_fn"])
 def test_uneven_dataset_batches_multi_worker_four_replicas(input_type, drop_remainder, iteration_type):
     """Two workers with two replicas each, uneven data (TF's MWMS 2x2 case). A batch of 4 goes to the global
-    replicas in order, rank 0's first (mpistrat's batch splitting, shared/DESIGN.md; TF's layout:
+    replicas in order, rank 0's first (mpistrat's batch splitting, docs/design.md; TF's layout:
     test_uneven_dataset_batches_four_replicas_tf_split)."""
     strategy, dataset = _uneven_four_replicas(input_type, drop_remainder)
     id_in_cluster = pair_comm().rank

@@ -1,7 +1,7 @@
 """TF 2.21's mirrored_strategy_test.py ported: MirroredStrategy in one process, eager, NumPy values.
 
 TF runs these cases on a GPU and the CPU (``mirrored_strategy_with_gpu_and_cpu``) or
-on two GPUs; here two logical CPU devices give the two replicas (shared/DESIGN.md,
+on two GPUs; here two logical CPU devices give the two replicas (docs/design.md,
 "Logical CPU devices"), and ``["/cpu:0"]`` stands for TF's one-device
 combinations. The bodies TF shares through strategy_test_lib are ported in
 ``distribution_test_base.py``. What is left out, and why: NOT_PORTED.md.

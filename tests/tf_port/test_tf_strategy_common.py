@@ -26,7 +26,7 @@ from two_workers import task_type, two_worker_strategy
 import mpistrat as ms
 from mpistrat.data import Dataset
 
-TASK_IDS = ("deliberate difference (one MPI rank = one worker, ../shared/DESIGN.md): the ranks are tasks "
+TASK_IDS = ("deliberate difference (one MPI rank = one worker, docs/design.md): the ranks are tasks "
             "0..W-1 of one 'worker' job; TF's 2x1 test cluster is chief:0 plus worker:0, so TF's second "
             "worker has task_id 0 where mpistrat's has 1")
 
