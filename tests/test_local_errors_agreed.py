@@ -57,3 +57,28 @@ def test_one_rank_raises_the_error_itself():
         pytest.skip("one worker only")
     with pytest.raises(TypeError, match="not numeric"):
         strategy.run(CALLS["all_reduce"], args=(BAD,))
+
+
+BAD_2D = np.array([["a", "b"], ["c", "d"]])
+
+# Cross-replica calls whose collective follows a conversion or a check on each rank's own value.
+CROSS_REPLICA = {
+    "reduce along axis 0": lambda s, v: s.reduce("SUM", s.run(lambda: v), axis=0),
+    "reduce MEAN along axis 0": lambda s, v: s.reduce("MEAN", s.run(lambda: v), axis=0),
+    "reduce of None along an axis": lambda s, v: s.reduce("SUM", s.run(lambda: None if v is BAD_2D else v), axis=0),
+    "gather": lambda s, v: s.gather(s.run(lambda: v), axis=0),
+    "gather of a scalar": lambda s, v: s.gather(s.run(lambda: np.float32(1) if v is BAD_2D else v), axis=0),
+    "Variable": lambda s, v: ms.Variable(v),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("call", list(CROSS_REPLICA))
+def test_a_bad_value_before_a_cross_replica_collective_raises_on_every_rank(strategy, comm, call):
+    # Before: the rank with the bad value raised alone and its peers waited in the collective
+    # until the timeout (seen with gather, reduce along an axis and Variable creation).
+    value = BAD_2D if comm.rank == comm.size - 1 else np.ones((2, 2), np.float32)
+    with strategy.scope():
+        with pytest.raises(CollectiveMismatchError, match="not numeric|at least one dimension"):
+            CROSS_REPLICA[call](strategy, value)
+    _next_step_is_in_step(strategy, comm)

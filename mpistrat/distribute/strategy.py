@@ -13,7 +13,7 @@ import contextlib
 import copy
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import numpy as np
 
@@ -333,9 +333,7 @@ class StrategyExtended:
             try:
                 how, payload = self._reduce_plan(value, op)
             except Exception as exc:  # raised on every rank, so no rank waits or pairs the wrong reductions
-                if self._communicator is not None and self._num_workers > 1:
-                    self._communicator.fail_collective("allreduce", exc, options)
-                raise
+                self._raise_everywhere("allreduce", exc, options)
             if how == "reduce":
                 pending.append((k, PerReplica(payload), destinations))
             elif _is_array_like(payload) or not (np.ndim(payload) == 0 and payload == 0):
@@ -370,15 +368,28 @@ class StrategyExtended:
         """Copy ``tensor`` to ``destinations``."""
         return self._cross_device_ops.broadcast(tensor, destinations)
 
+    def _raise_everywhere(self, collective: str, error: Exception, options: Any = None) -> NoReturn:
+        """Raise ``error``, found on this rank before the ``collective`` its peers are calling, on every rank.
+
+        Raising alone would leave the peers waiting in that collective (or pair this rank's next
+        collective with theirs): the error goes through the collective's agreement instead.
+        """
+        if self._communicator is not None and self._num_workers > 1:
+            self._communicator.fail_collective(collective, error, options)
+        raise error
+
     def _gather_leaf(self, local_values_: Sequence[Any], axis: int, options: Any) -> Any:
         """Concatenate local replicas' values along ``axis`` and all-gather across ranks (on the host)."""
-        host = [dev.to_device(arrays.as_array(v, what="gather"), self._host_device) for v in local_values_]
-        for h in host:
-            if h.ndim == 0:
-                raise ValueError("gather/all_gather needs arrays with at least one dimension; got a scalar")
-            if not -h.ndim <= axis < h.ndim:
-                raise ValueError(f"axis {axis} is out of range for a value of rank {h.ndim}")
-        local = np.concatenate(host, axis=axis) if len(host) > 1 else host[0]
+        try:
+            host = [dev.to_device(arrays.as_array(v, what="gather"), self._host_device) for v in local_values_]
+            for h in host:
+                if h.ndim == 0:
+                    raise ValueError("gather/all_gather needs arrays with at least one dimension; got a scalar")
+                if not -h.ndim <= axis < h.ndim:
+                    raise ValueError(f"axis {axis} is out of range for a value of rank {h.ndim}")
+            local = np.concatenate(host, axis=axis) if len(host) > 1 else host[0]
+        except Exception as exc:  # a rank-local error: raised on every rank
+            self._raise_everywhere("allgather", exc, options)
         comm = self._communicator
         if len(host) == 1 and (comm is None or comm.size == 1):
             return local.copy()  # a new array, never the caller's (or a variable's) storage
@@ -584,14 +595,20 @@ class Strategy:
             elif op is ReduceOp.MEAN:
                 # The global mean along the axis: global sum / global count, not a mean of means.
                 pairs = []
-                for leaf in leaves:
-                    numer, denom = self._per_replica(lambda v: sum_and_count(v, axis), leaf)
-                    pairs += [(numer, host), (denom, host)]
+                try:
+                    for leaf in leaves:
+                        numer, denom = self._per_replica(lambda v: sum_and_count(v, axis), leaf)
+                        pairs += [(numer, host), (denom, host)]
+                except Exception as exc:  # a rank-local error (conversion, axis): raised on every rank
+                    ext._raise_everywhere("allreduce", exc)
                 sums = ext.batch_reduce_to(ReduceOp.SUM, pairs)
                 reduced = [_divide(numer, denom) for numer, denom in zip(sums[::2], sums[1::2])]
             else:
-                reduced = ext.batch_reduce_to(
-                    op, [(self._per_replica(lambda v: reduce_along(op, v, axis), leaf), host) for leaf in leaves])
+                try:
+                    pairs = [(self._per_replica(lambda v: reduce_along(op, v, axis), leaf), host) for leaf in leaves]
+                except Exception as exc:  # a rank-local error (conversion, axis): raised on every rank
+                    ext._raise_everywhere("allreduce", exc)
+                reduced = ext.batch_reduce_to(op, pairs)
             return nest.pack_sequence_as(value, reduced)
 
     def _per_replica(self, fn: Callable[[Any], Any], value: Any) -> Any:

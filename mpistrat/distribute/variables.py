@@ -661,23 +661,26 @@ class SyncOnReadVariable(DistributedVariable):
 
 def create_for_strategy(strategy: Any, kwargs: dict) -> DistributedVariable:
     """Create the distributed variable for ``Variable(**kwargs)`` under ``strategy``'s scope."""
-    sync, agg, trainable = _validate(kwargs)
-    name = kwargs["name"] if kwargs["name"] is not None else f"Variable_{next(_names)}"
-    if sync is VariableSynchronization.NONE:
-        raise ValueError("`NONE` variable synchronization mode is not supported with tf.distribute strategy. "
-                         f"Please change the `synchronization` for variable: {name}")
-    if sync is VariableSynchronization.AUTO:
-        sync = VariableSynchronization.ON_WRITE  # a distributed variable says what AUTO chose (as TF)
     ext = strategy.extended
     devices = ext._local_devices
-    initial = _initial_array(kwargs["initial_value"], kwargs["dtype"], devices[0])
-    if agg is VariableAggregation.MEAN and initial.dtype.kind not in "fc":
-        raise ValueError(f"Creating a distributed variable ({name}) with aggregation=MEAN and a non-floating dtype "
-                         f"({initial.dtype}) is not supported, please use a different aggregation or dtype")
-    host = np.asarray(dev.to_device(initial, "/cpu:0"))
-    if kwargs["shape"] is not None and tuple(kwargs["shape"]) != host.shape:
-        raise ValueError(f"Variable {name}: initial value has shape {host.shape}, not the given shape "
-                         f"{tuple(kwargs['shape'])}")
+    try:
+        sync, agg, trainable = _validate(kwargs)
+        name = kwargs["name"] if kwargs["name"] is not None else f"Variable_{next(_names)}"
+        if sync is VariableSynchronization.NONE:
+            raise ValueError("`NONE` variable synchronization mode is not supported with tf.distribute strategy. "
+                             f"Please change the `synchronization` for variable: {name}")
+        if sync is VariableSynchronization.AUTO:
+            sync = VariableSynchronization.ON_WRITE  # a distributed variable says what AUTO chose (as TF)
+        initial = _initial_array(kwargs["initial_value"], kwargs["dtype"], devices[0])
+        if agg is VariableAggregation.MEAN and initial.dtype.kind not in "fc":
+            raise ValueError(f"Creating a distributed variable ({name}) with aggregation=MEAN and a non-floating "
+                             f"dtype ({initial.dtype}) is not supported, please use a different aggregation or dtype")
+        host = np.asarray(dev.to_device(initial, "/cpu:0"))
+        if kwargs["shape"] is not None and tuple(kwargs["shape"]) != host.shape:
+            raise ValueError(f"Variable {name}: initial value has shape {host.shape}, not the given shape "
+                             f"{tuple(kwargs['shape'])}")
+    except Exception as exc:  # found on this rank before the initial value's broadcast: raised on every rank
+        ext._raise_everywhere("broadcast", exc)
     host = ext._broadcast_initial_values([host])[0]
     components = [
         Variable(trainable=trainable, name=name, synchronization=sync, aggregation=agg,
