@@ -26,7 +26,7 @@ CASES = {
     "raise": ({}, r"\[rank <F>\] Uncaught exception; aborting all <N> ranks \(MPI_Abort\)\.\n(.|\n)*"
                   r"\[rank <F>\] RuntimeError: injected fault in step 3 on rank <F>\n"),
     "sigkill": ({}, r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES(.|\n)*EXIT STRING: Killed \(signal 9\)"),
-    "exit": ({}, r"PeerExitedError: Collective #\d+ \(allreduce\(op=sum\) \[.*\]\) can never complete on rank \d+: "
+    "exit": ({}, r"PeerExitedError: Collective #\d+ \(allreduce\(op=sum[^)]*\) \[.*\]\) can never complete on rank \d+: "
                  r"rank <F> exited without joining it \(rank <F> ended its program \(returned or called sys\.exit\)"),
     "shapes": ({}, r"CollectiveMismatchError: Mismatched allreduce shapes in collective #\d+: (rank 0|ranks 0, [\d, ]+) "
                    r"sent \[\(1,\), float32; \(8, 16\), float32; .*\]; rank <F> sent \[\(1,\), float32; \(8, 15\), float32; "),
@@ -36,7 +36,7 @@ CASES = {
             r"FloatingPointError: NaN or Inf in all-reduce input \(MPISTRAT_CHECK_NUMERICS is on\): "
             r"replica <F> \(rank <F>\) value #1 of shape \(8, 16\)"),
     "hang": ({"MPISTRAT_STALL_WARNING_SECONDS": "0.5", "MPISTRAT_STALL_SHUTDOWN_SECONDS": "2"},
-             r"\[rank 0\] Stalled collective: collective #\d+ of communicator #\d+ \(allreduce\(op=sum\) \[.*\]\) "
+             r"\[rank 0\] Stalled collective: collective #\d+ of communicator #\d+ \(allreduce\(op=sum[^)]*\) \[.*\]\) "
              r"has waited \d+\.\d s on rank 0; rank <F> has not arrived; rank <F> did not answer(.|\n)*"
              r"CollectiveTimeoutError: Collective #\d+ \(allreduce.*\) timed out on rank \d+ after \d+\.\d s "
              r"\(MPISTRAT_STALL_SHUTDOWN_SECONDS=2\): rank <F> never arrived"),

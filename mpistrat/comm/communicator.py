@@ -48,11 +48,11 @@ def _op_param(op: Any) -> tuple[str, Exception | None]:
         return repr(op), exc
 
 
-def _op_params(opname: str, divisor: int | None) -> tuple:
-    """The agreement key's parameters of an all-reduce: its logical op (MEAN: the sum and its divisor)."""
-    if divisor is None:
-        return (("op", opname),)
-    return (("op", "mean"), ("divisor", divisor))
+def _op_params(opname: str, divisor: int | None, structure: str | None = None) -> tuple:
+    """The agreement key's parameters of an all-reduce: its logical op (MEAN: the sum and its divisor), and
+    the nesting of its arrays when the caller gave one."""
+    params: tuple = (("op", opname),) if divisor is None else (("op", "mean"), ("divisor", divisor))
+    return params if structure is None else params + (("structure", structure),)
 
 
 def _divisor_error(opname: str, divisor: Any) -> Exception | None:
@@ -243,6 +243,7 @@ class RankCommunicator:
         *,
         inplace: bool = False,
         divisor: int | None = None,
+        structure: str | None = None,
     ) -> list:
         """Reduce each array element-wise across ranks; every rank gets the results.
 
@@ -252,10 +253,11 @@ class RankCommunicator:
         ``divisor``: the caller's MEAN, a sum (``op`` ``"sum"``) the caller divides
         by ``divisor`` afterwards. The agreement check covers the logical op, so
         ranks asking MEAN and SUM, or MEAN over different counts, raise a mismatch
-        on every rank.
+        on every rank. ``structure``: the caller's nesting of the arrays (``nest.structure_signature``,
+        dict keys included), checked with the rest, so ranks reducing ``{"a": x}`` and ``{"b": y}`` raise.
         """
         if (type(arrays) is list and len(arrays) == 1 and options is None and not inplace and type(op) is str
-                and (divisor is None or type(divisor) is int)):
+                and (divisor is None or type(divisor) is int) and structure is None):
             # A call of one NumPy or CuPy array repeated with the communicator's options: its plan, key and
             # fingerprint are filed by what the call is made of, so nothing is built or hashed but that.
             a = arrays[0]
@@ -263,10 +265,10 @@ class RankCommunicator:
                 plan = self._planner.singles.get((op, divisor, a.shape, a.dtype, type(a)))
                 if plan is not None and self._worker is None and self.size > 1 and not timeline.enabled():
                     return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
-        return self._allreduce(arrays, op, options, inplace, divisor)
+        return self._allreduce(arrays, op, options, inplace, divisor, structure)
 
     def _allreduce(self, arrays: Sequence[Any], op: Any, options: CommunicationOptions | None, inplace: bool,
-                   divisor: int | None) -> list:
+                   divisor: int | None, structure: str | None = None) -> list:
         """:meth:`allreduce`: plan (signature, validation, cached steps), agreement, execute."""
         if self._worker is not None:  # calls started asynchronously before this one run first
             self._worker.drain()
@@ -284,12 +286,12 @@ class RankCommunicator:
         error = error or sig_error
         plan = None
         if error is None:
-            plan_key = (opname, divisor, sig, kinds, pack_bytes, inplace)
+            plan_key = (opname, divisor, sig, kinds, pack_bytes, inplace, structure)
             plan = self._planner.cached(plan_key)
         if plan is not None:  # a repeated call: its key and fingerprint were made with its plan
             key, h, mode = plan.key, plan.h, plan.repeat_mode
         else:
-            key = ("allreduce", _op_params(opname, divisor), sig)
+            key = ("allreduce", _op_params(opname, divisor, structure), sig)
             error = error or self._planner.invalid(sig, opname)
             if error is not None:
                 self._agree(key, timeout, error=error)  # raises on every rank
@@ -307,7 +309,7 @@ class RankCommunicator:
                 plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
                                                first.transport.folds_agreement)
             mode = CHECKED
-        if _plain_array(single) and type(op) is str:
+        if _plain_array(single) and type(op) is str and structure is None:
             self._planner.file_single(op, divisor, single, plan)
         if self.size == 1:
             if mode != CHECKED:

@@ -169,12 +169,14 @@ class CrossDeviceOps:
         per_replica_leaves: Sequence[Sequence[Any]],
         devices: Sequence[str],
         options: Any = None,
+        structure: str | None = None,
     ) -> list[list]:
         """All-reduce lists of arrays, one list per local replica; results per replica.
 
         ``per_replica_leaves[i][j]`` is leaf j of local replica i; the result
         has the same layout, every replica's leaf j holding the reduction over
-        all replicas of all ranks, on that replica's device.
+        all replicas of all ranks, on that replica's device. ``structure``: the
+        leaves' nesting, which every rank must share (see ``RankCommunicator.allreduce``).
         """
         num_local = len(per_replica_leaves)
         num_leaves = len(per_replica_leaves[0]) if num_local else 0
@@ -184,12 +186,13 @@ class CrossDeviceOps:
             per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
         except Exception as exc:
             self._fail_everywhere(exc, options)
-        reduced = self._reduce_to_one(reduce_op, per_replica_leaves, devices, options)
+        reduced = self._reduce_to_one(reduce_op, per_replica_leaves, devices, options, structure)
         if num_local == 1:
             return [list(reduced)]
         return self._spread(reduced, devices)
 
-    def _all_reduce_alone(self, reduce_op: ReduceOp, leaves: list, devices: Sequence[str], options: Any = None) -> list:
+    def _all_reduce_alone(self, reduce_op: ReduceOp, leaves: list, devices: Sequence[str], options: Any = None,
+                          structure: str | None = None) -> list:
         """``batch_all_reduce(reduce_op, [leaves], devices, options)[0]`` for the one local replica: native
         NumPy arrays, the commonest call of a multi-worker step, go straight to the communicator (nothing
         to wrap, reduce locally or spread; the results are new arrays, the inputs untouched)."""
@@ -200,12 +203,13 @@ class CrossDeviceOps:
             except Exception:  # a leaf that does not convert: batch_all_reduce raises it on every rank
                 native = False
             if native:
-                reduced = comm.allreduce(leaves, reduce_op.wire, options, divisor=self._divisor(reduce_op, 1))
+                reduced = comm.allreduce(leaves, reduce_op.wire, options, divisor=self._divisor(reduce_op, 1),
+                                         structure=structure)
                 if reduce_op is ReduceOp.MEAN:
                     n = self._global_count(1)
                     return [_divide(r, n) for r in reduced]
                 return reduced
-        return self.batch_all_reduce(reduce_op, [leaves], devices, options)[0]
+        return self.batch_all_reduce(reduce_op, [leaves], devices, options, structure)[0]
 
     def batch_all_reduce_async(
         self,
@@ -213,6 +217,7 @@ class CrossDeviceOps:
         per_replica_leaves: Sequence[Sequence[Any]],
         devices: Sequence[str],
         options: Any = None,
+        structure: str | None = None,
     ) -> InFlightReduction:
         """:meth:`batch_all_reduce` started now: its ``rows()`` waits and returns what that returns.
 
@@ -233,7 +238,8 @@ class CrossDeviceOps:
         comm = self._communicator
         pending = None
         if comm is not None and comm.size > 1:
-            pending = comm.allreduce_async(reduced, op.wire, options, inplace=owned, divisor=self._divisor(op, num_local))
+            pending = comm.allreduce_async(reduced, op.wire, options, inplace=owned, divisor=self._divisor(op, num_local),
+                                           structure=structure)
 
         def finish(reduced: list) -> list[list]:
             if op is ReduceOp.MEAN:
@@ -257,7 +263,7 @@ class CrossDeviceOps:
         return self._batch_reduce(reduce_op, value_destination_pairs, options)
 
     def _batch_reduce(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple], options: Any = None,
-                      replica_devices: Sequence[str] | None = None) -> list:
+                      replica_devices: Sequence[str] | None = None, structure: str | None = None) -> list:
         """``batch_reduce`` with the replicas' devices when the caller knows them (a strategy does).
 
         Without them, each replica's device is taken from its first value
@@ -278,7 +284,7 @@ class CrossDeviceOps:
         source_devices = (list(replica_devices) if replica_devices is not None and len(replica_devices) == num_local
                           else [dev.device_of(leaves[0]) for leaves in per_replica])
         # Reduce everything onto the first replica's device, then place on the destinations.
-        reduced = self._reduce_to_one(reduce_op, per_replica, source_devices, options)
+        reduced = self._reduce_to_one(reduce_op, per_replica, source_devices, options, structure)
         return [self._place(r, destination_devices(d, replica_devices))
                 for r, (_, d) in zip(reduced, value_destination_pairs)]
 
@@ -298,7 +304,8 @@ class CrossDeviceOps:
             detail = "; ".join(f"replica {g} (rank {r}) value #{j} of shape {shape}" for g, r, j, shape in bad)
             raise FloatingPointError(f"NaN or Inf in all-reduce input ({CHECK_NUMERICS_ENV} is on): {detail}")
 
-    def _reduce_to_one(self, reduce_op: Any, per_replica: list[list], devices: Sequence[str], options: Any) -> list:
+    def _reduce_to_one(self, reduce_op: Any, per_replica: list[list], devices: Sequence[str], options: Any,
+                       structure: str | None = None) -> list:
         """Every replica's leaves (converted by ``arrays.as_arrays``) reduced over all replicas, on one device."""
         op = ReduceOp.from_string(reduce_op)
         num_local = len(per_replica)
@@ -310,7 +317,8 @@ class CrossDeviceOps:
         if comm is not None and comm.size > 1:
             # MEAN goes as a sum, divided below; its divisor is part of the agreement check, so ranks
             # asking MEAN and SUM raise a mismatch on every rank.
-            reduced = comm.allreduce(reduced, op.wire, options, inplace=owned, divisor=self._divisor(op, num_local))
+            reduced = comm.allreduce(reduced, op.wire, options, inplace=owned, divisor=self._divisor(op, num_local),
+                                     structure=structure)
         if op is ReduceOp.MEAN:
             n = self._global_count(num_local)
             reduced = [_divide(r, n) for r in reduced]

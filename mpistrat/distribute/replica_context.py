@@ -153,19 +153,21 @@ class ReplicaContext:
         if type(value) is np.ndarray and self._rendezvous.n == 1:  # the hot case: nothing to walk or rebuild
             return ext._cross_device_ops._all_reduce_alone(op, [value], ext._local_devices, options)[0]
         flat = _replica_leaves("all_reduce", value)
+        structure = _structure(value, flat)
         if self._rendezvous.n == 1:  # a lone replica: nobody to meet or to agree with, its leaves are the batch
-            reduced = ext._cross_device_ops._all_reduce_alone(op, flat, ext._local_devices, options)
+            reduced = ext._cross_device_ops._all_reduce_alone(op, flat, ext._local_devices, options, structure)
             if flat is value:  # a flat list of plain leaves (see _replica_leaves): no structure to rebuild
                 return reduced
         else:
 
             def run_reduce(payloads: list) -> list:
                 _check_agree("all_reduce", "reduce ops", [p[0].name for p in payloads])
+                _check_agree("all_reduce", "structures", [p[2] for p in payloads])
                 leaves = [p[1] for p in payloads]
                 _check_same_leaves("all_reduce", leaves)
-                return ext._cross_device_ops.batch_all_reduce(op, leaves, ext._local_devices, options)
+                return ext._cross_device_ops.batch_all_reduce(op, leaves, ext._local_devices, options, structure)
 
-            reduced = self._meet("all_reduce", (op, flat), run_reduce)
+            reduced = self._meet("all_reduce", (op, flat, structure), run_reduce)
         return nest.pack_sequence_as(value, reduced)
 
     def experimental_all_reduce_async(self, reduce_op: "ReduceOp | str", value: Any,
@@ -193,19 +195,21 @@ class ReplicaContext:
         op = ReduceOp.from_string(reduce_op)
         ext = self._strategy.extended
         flat = _replica_leaves("experimental_all_reduce_async", value)
+        structure = _structure(value, flat)
         rendezvous = self._rendezvous
 
         def start(payloads: list) -> list:
             if len(payloads) > 1:
                 _check_agree("experimental_all_reduce_async", "reduce ops", [p[0].name for p in payloads])
+                _check_agree("experimental_all_reduce_async", "structures", [p[2] for p in payloads])
                 _check_same_leaves("experimental_all_reduce_async", [p[1] for p in payloads])
             reduction = ext._cross_device_ops.batch_all_reduce_async(
-                op, [p[1] for p in payloads], ext._local_devices, options)
+                op, [p[1] for p in payloads], ext._local_devices, options, structure)
             if not reduction.done():
                 rendezvous.track(reduction)  # finished by the end of the step at the latest
             return [reduction] * len(payloads)
 
-        reduction: InFlightReduction = self._meet("experimental_all_reduce_async", (op, flat), start)
+        reduction: InFlightReduction = self._meet("experimental_all_reduce_async", (op, flat, structure), start)
         return AllReduceHandle(reduction, self._local_replica_id, value, flat is value)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
@@ -249,6 +253,14 @@ def _replica_leaves(kind: str, value: Any) -> list:
         elif getattr(leaf, "_is_variable", False):
             flat[j] = leaf.value()
     return flat
+
+
+def _structure(value: Any, flat: list) -> str | None:
+    """The nesting of a replica's ``value`` that every replica and rank must share (dict keys, namedtuple
+    types), or None for a lone array or a flat list of leaves (their count and order say it all)."""
+    if flat is value or not nest.is_nested(value):
+        return None
+    return nest.structure_signature(value)
 
 
 def _check_same_leaves(kind: str, payloads: list) -> None:

@@ -325,6 +325,12 @@ class StrategyExtended:
     def batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple],
                         options: Any = None) -> list:
         """Several ``reduce_to`` in one fused cross-replica reduction."""
+        return self._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+    def _batch_reduce_to(self, reduce_op: "ReduceOp | str", value_destination_pairs: Sequence[tuple],
+                         options: Any = None, structure: str | None = None) -> list:
+        """:meth:`batch_reduce_to` of the leaves of a nest whose nesting (``nest.structure_signature``)
+        every rank must share, or None."""
         op = ReduceOp.from_string(reduce_op)
         self._require_cross_replica_or_default_context()
         results: list[Any] = [None] * len(value_destination_pairs)
@@ -342,14 +348,14 @@ class StrategyExtended:
                 results[k] = payload
         if pending:
             reduced = self._cross_device_ops._batch_reduce(op, [(v, d) for _, v, d in pending], options,
-                                                           replica_devices=self._local_devices)
+                                                           replica_devices=self._local_devices, structure=structure)
             for (k, _, _), r in zip(pending, reduced):
                 results[k] = r
         elif self._communicator is not None and self._num_workers > 1:
             # A rank with nothing to reduce still joins the ranks' agreement (zero arrays), so a rank reducing
             # values while another reduces none raises a mismatch on every rank instead of pairing one rank's
             # next reduction with the other's current one.
-            self._communicator.allreduce([], op.wire, options)
+            self._communicator.allreduce([], op.wire, options, structure=structure)
         return results
 
     def _require_cross_replica_or_default_context(self) -> None:
@@ -590,8 +596,9 @@ class Strategy:
             ext = self._extended
             host = ext._host_device
             leaves = nest.flatten(value)
+            structure = nest.structure_signature(value) if nest.is_nested(value) else None
             if axis is None:
-                reduced = ext.batch_reduce_to(op, [(leaf, host) for leaf in leaves])
+                reduced = ext._batch_reduce_to(op, [(leaf, host) for leaf in leaves], structure=structure)
             elif op is ReduceOp.MEAN:
                 # The global mean along the axis: global sum / global count, not a mean of means.
                 pairs = []
@@ -601,14 +608,14 @@ class Strategy:
                         pairs += [(numer, host), (denom, host)]
                 except Exception as exc:  # a rank-local error (conversion, axis): raised on every rank
                     ext._raise_everywhere("allreduce", exc)
-                sums = ext.batch_reduce_to(ReduceOp.SUM, pairs)
+                sums = ext._batch_reduce_to(ReduceOp.SUM, pairs, structure=structure)
                 reduced = [_divide(numer, denom) for numer, denom in zip(sums[::2], sums[1::2])]
             else:
                 try:
                     pairs = [(self._per_replica(lambda v: reduce_along(op, v, axis), leaf), host) for leaf in leaves]
                 except Exception as exc:  # a rank-local error (conversion, axis): raised on every rank
                     ext._raise_everywhere("allreduce", exc)
-                reduced = ext.batch_reduce_to(op, pairs)
+                reduced = ext._batch_reduce_to(op, pairs, structure=structure)
             return nest.pack_sequence_as(value, reduced)
 
     def _per_replica(self, fn: Callable[[Any], Any], value: Any) -> Any:

@@ -91,13 +91,18 @@ def format_mismatch(keys: Sequence[CallKey], seq: int) -> str:
         return f"Mismatched collectives {where}: " + "; ".join(parts)
     kind = keys[0][0]
     params = {k[1] for k in keys}
-    if len(params) > 1:
-        parts = [f"{format_ranks(r)} sent {', '.join(f'{n}={v}' for n, v in p) or 'no parameters'}" for p, r in _group([k[1] for k in keys])]
-        names = sorted({n for p in params for n, _ in p if len({dict(q).get(n) for q in params}) > 1})
-        what = "/".join(names) if names else "parameters"
-        return f"Mismatched {kind} {what} {where}: " + "; ".join(parts)
     arrays = [k[2] for k in keys]
     counts = {len(a) for a in arrays}
+    names = sorted({n for p in params for n, _ in p if len({dict(q).get(n) for q in params}) > 1})
+    # Nests of different sizes differ in structure too: their array counts say more.
+    if len(params) > 1 and not (names == ["structure"] and len(counts) > 1):
+        parts = []
+        for p, r in _group([k[1] for k in keys]):
+            given = dict(p)
+            shown = list(p) + [(n, "(none)") for n in names if n not in given]
+            parts.append(f"{format_ranks(r)} sent {', '.join(f'{n}={v}' for n, v in shown) or 'no parameters'}")
+        what = "/".join(names) if names else "parameters"
+        return f"Mismatched {kind} {what} {where}: " + "; ".join(parts)
     if len(counts) > 1:
         parts = [f"{format_ranks(r)} sent {n} array{'' if n == 1 else 's'}" for n, r in _group([len(a) for a in arrays])]
         return f"Mismatched {kind} array counts {where}: " + "; ".join(parts)

@@ -1,0 +1,69 @@
+"""Ranks and replicas reducing nests of different structure raise, instead of summing unrelated values.
+
+Before, ``all_reduce(SUM, {"a": x})`` on one rank and ``{"b": y}`` on another summed x with y silently
+(the check compared shapes and dtypes of the flat arrays only); the nesting, dict keys included, is
+now part of what every rank and every local replica must agree on.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.comm.errors import CollectiveMismatchError
+
+Pair = collections.namedtuple("Pair", "x y")
+Other = collections.namedtuple("Other", "x y")
+
+
+def _good_after(strategy, comm):
+    out = strategy.run(lambda: ms.get_replica_context().all_reduce("SUM", {"a": np.ones(2)}))
+    np.testing.assert_array_equal(out["a"], np.full(2, float(comm.size)))
+
+
+CASES = {
+    "dict keys": lambda r: {"a": np.ones(2)} if r == 0 else {"b": np.ones(2)},
+    "nesting": lambda r: [(np.ones(2), np.ones(2))] if r == 0 else [np.ones(2), np.ones(2)],
+    "namedtuple type": lambda r: Pair(np.ones(2), np.ones(2)) if r == 0 else Other(np.ones(2), np.ones(2)),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("call", ["all_reduce", "async", "strategy.reduce"])
+def test_ranks_with_different_structures_raise_on_every_rank(comm, case, call):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    value = CASES[case](comm.rank)
+    with pytest.raises(CollectiveMismatchError, match="structure"):
+        if call == "all_reduce":
+            strategy.run(lambda: ms.get_replica_context().all_reduce("SUM", value))
+        elif call == "async":
+            strategy.run(lambda: ms.get_replica_context().experimental_all_reduce_async("SUM", value).result())
+        else:
+            strategy.reduce("SUM", strategy.run(lambda: value), axis=None)
+    _good_after(strategy, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_equal_structures_reduce_as_before(comm):
+    strategy = ms.MultiWorkerMirroredStrategy(local_devices=["/cpu:0", "/cpu:1"])
+    n = 2 * comm.size
+    value = {"w": [np.ones(3), np.ones((2, 2))], "b": Pair(np.ones(1), np.float32(2.0))}
+    out = strategy.run(lambda: ms.get_replica_context().all_reduce("SUM", value))
+    for leaf_out, leaf_in in zip(ms.nest.flatten(strategy.experimental_local_results(out)[0]), ms.nest.flatten(value)):
+        np.testing.assert_allclose(leaf_out, np.asarray(leaf_in) * n)
+    total = strategy.reduce("MEAN", strategy.run(lambda: value), axis=None)
+    assert isinstance(total["b"], Pair) and float(total["b"].y) == 2.0
+
+
+def test_local_replicas_with_different_structures_raise():
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+    def step():
+        ctx = ms.get_replica_context()
+        value = {"a": np.ones(2)} if ctx.replica_id_in_sync_group == 0 else {"b": np.ones(2)}
+        return ctx.all_reduce("SUM", value)
+
+    with pytest.raises(ValueError, match="different structures"):
+        strategy.run(step)
