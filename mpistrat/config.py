@@ -189,8 +189,6 @@ VARIABLES: tuple[Variable, ...] = (
              "record a Chrome-trace timeline of every rank to this path (read at import)"),
     Variable("MPISTRAT_NO_ABORT_HOOK", "no_abort_hook", parse_bool, False,
              "do not install the hook that aborts the job on an uncaught exception"),
-    Variable("MPISTRAT_CRC32C", "crc32c", _choice("auto", "python"), "auto",
-             "python: the pure-Python CRC-32C of TFRecord reading (tests; read at import)"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -213,7 +211,6 @@ class Settings:
     check_numerics: bool
     timeline: str | None
     no_abort_hook: bool
-    crc32c: str
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 

@@ -19,8 +19,8 @@ def test_defaults_and_their_sources():
         600.0, 0.5, 60.0, 0.0)
     assert (s.shm_min_bytes, s.shm_max_bytes, s.agreement) == ("auto", 64 << 20, "auto")
     assert (s.shm_chunk_bytes, s.sources["shm_chunk_bytes"]) == config.default_chunk_bytes()
-    assert (s.pretend_nodes, s.cuda_aware, s.check_numerics, s.timeline, s.no_abort_hook, s.crc32c) == (
-        None, None, False, None, False, "auto")
+    assert (s.pretend_nodes, s.cuda_aware, s.check_numerics, s.timeline, s.no_abort_hook) == (
+        None, None, False, None, False)
     assert s.sources["timeout_seconds"] == "default"
     l2 = config.l2_cache_bytes()
     if l2 is None:

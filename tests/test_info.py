@@ -9,6 +9,7 @@ import sys
 import pytest
 from mpi4py import MPI
 
+from mpistrat import config
 from mpistrat.tools.cli import COMMANDS, main
 from mpistrat.devices import num_gpus
 from mpistrat.tools.info import collect, format_table, mpi_cuda_support
@@ -84,7 +85,7 @@ def test_info_prints_every_setting_and_where_it_came_from():
     assert settings["MPISTRAT_CHECK_NUMERICS"] == ["True", "environment"]
     assert settings["MPISTRAT_TIMEOUT_SECONDS"] == ["600.0", "default"]
     assert settings["MPISTRAT_SHM_BLOCK_BYTES"][1] in ("hardware", "default")
-    assert len(settings) == 15
+    assert len(settings) == len(config.VARIABLES)  # every setting, each once
     bad = _run([sys.executable, "-m", "mpistrat", "info"], MPISTRAT_SHM_MAX_BYTES="lots")
     assert bad.returncode == 0, bad.stderr  # info still reports, naming the bad variable
     assert "error: MPISTRAT_SHM_MAX_BYTES must be a byte count" in bad.stdout
@@ -156,3 +157,14 @@ def test_collect_gathers_every_rank(comm):
         assert "transport mpi" in chosen
     else:
         assert result is None
+
+
+def test_info_names_the_crc32c_implementation_and_nccl():
+    out = _run([sys.executable, "-m", "mpistrat", "info"])
+    assert out.returncode == 0, out.stderr
+    assert "CRC-32C google-crc32c (c)" in out.stdout.splitlines()[1]
+    header = next(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    assert header.split()[7:9] == ["cupy", "nccl"]
+    row = out.stdout.splitlines()[out.stdout.splitlines().index(header) + 1].split()
+    if num_gpus() == 0:
+        assert "-" in row  # no GPU: no NCCL to name

@@ -44,6 +44,18 @@ def _cupy_facts() -> tuple[str, int]:
         return f"{cupy.__version__} ({type(exc).__name__})", 0
 
 
+def _nccl_version() -> str:
+    """CuPy's NCCL version as ``major.minor.patch``, or why there is none."""
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415
+    except Exception as exc:
+        return f"no ({type(exc).__name__})"
+    if not getattr(nccl, "available", False):
+        return "no (CuPy built without NCCL)"
+    code = int(nccl.get_version())  # e.g. 22809 -> 2.28.9
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
 def _thread_level_name(level: int) -> str:
     from mpi4py import MPI  # noqa: PLC0415
 
@@ -66,6 +78,7 @@ def _rank_row(comm: Any) -> dict[str, Any]:
     resolver = default_cluster_resolver(comm)  # may set CUDA_VISIBLE_DEVICES (Slurm): before CuPy
     row["resolver"] = type(resolver).__name__
     row["cupy"], row["gpus"] = _cupy_facts()
+    row["nccl"] = _nccl_version() if row["gpus"] else "-"
     try:
         row["devices"] = resolver.local_devices()
     except Exception as exc:
@@ -88,6 +101,8 @@ def collect(comm: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | N
     import mpi4py  # noqa: PLC0415
     import numpy  # noqa: PLC0415
 
+    from mpistrat.data.crc32c import IMPLEMENTATION as crc32c  # noqa: PLC0415
+
     library = MPI.Get_library_version().strip().splitlines()
     job = {
         "mpi_library": " ".join(library[0].split()) if library else "unknown",
@@ -96,6 +111,7 @@ def collect(comm: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | N
         "mpistrat": _dist_version(),
         "python": platform.python_version(),
         "numpy": numpy.__version__,
+        "crc32c": crc32c,
         "world_size": comm.Get_size(),
         "settings": _settings_rows(),
         "communicator": chosen,
@@ -151,15 +167,15 @@ def format_table(job: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The text ``info`` prints: job lines, then one row per rank."""
     lines = [
         f"MPI library:  {job['mpi_library']} (MPI standard {job['mpi_standard']}, mpi4py {job['mpi4py']})",
-        f"mpistrat {job['mpistrat']}, Python {job['python']}, NumPy {job['numpy']}",
+        f"mpistrat {job['mpistrat']}, Python {job['python']}, NumPy {job['numpy']}, CRC-32C {job['crc32c']}",
         f"world size:   {job['world_size']}",
         "",
     ]
-    header = ["rank", "host", "node", "local", "threads", "cuda-aware", "resolver", "cupy", "gpus", "devices"]
+    header = ["rank", "host", "node", "local", "threads", "cuda-aware", "resolver", "cupy", "nccl", "gpus", "devices"]
     table = [header] + [[
         str(r["rank"]), r["host"], f"{r['node']}/{r['nodes']}", f"{r['local_rank']}/{r['local_size']}",
         r["thread_level"], _yes_no(r["cuda_aware"]), r["resolver"].replace("ClusterResolver", ""),
-        r["cupy"], str(r["gpus"]), ",".join(r["devices"]),
+        r["cupy"], r["nccl"], str(r["gpus"]), ",".join(r["devices"]),
     ] for r in rows]
     lines.extend(_columns(table))
     settings = job.get("settings")
