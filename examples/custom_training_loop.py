@@ -4,7 +4,7 @@ The loop is the tutorial's (https://www.tensorflow.org/tutorials/distribute/cust
 with only the ``tf.distribute``, ``tf.nn`` and ``tf.data`` names changed to ``ms``,
 ``ms.nn`` and ``ms.data``. Two parts have no TensorFlow-free counterpart and are replaced:
 the Keras model and ``tf.GradientTape`` by ``mpistrat.examples.mlp.MLP`` (a dense
-network with a hand-written backward pass), and Fashion-MNIST by scikit-learn's digits.
+network with a hand-written backward pass), and Fashion-MNIST by the UCI handwritten digits (shipped with the package).
 ``docs/porting.md`` shows the two programs side by side.
 
 Run it on one rank or on several, with the same global batch:
@@ -29,11 +29,10 @@ from mpistrat.optimizers import Adam
 
 def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> "tuple[tuple, tuple]":
     """``((train_images, train_labels), (test_images, test_labels))``, pixels scaled to [0, 1]."""
-    from sklearn.datasets import load_digits  # noqa: PLC0415 - an example's data
+    from mpistrat.examples.digits import load_digits  # noqa: PLC0415 - an example's data
 
-    digits = load_digits()
-    images = (digits.data / 16.0).astype(np.float32)
-    labels = digits.target.astype(np.int64)
+    pixels, labels = load_digits()
+    images = (pixels / 16.0).astype(np.float32)
     order = np.random.default_rng(seed).permutation(len(images))
     num_test = int(round(len(images) * test_fraction))
     test, train = order[:num_test], order[num_test:]

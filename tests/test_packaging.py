@@ -41,3 +41,16 @@ def test_no_project_file_refers_outside_the_project():
                 if outside.search(line) and name != "tests/test_packaging.py":
                     offenders.append(f"{name}:{n}: {line.strip()[:100]}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_example_data_ship_with_the_package_and_need_no_scikit_learn():
+    code = ("import sys, hashlib; sys.modules['sklearn'] = None\n"  # importing scikit-learn would fail
+            "from mpistrat.examples.digits import load_digits\n"
+            "x, y = load_digits()\n"
+            "print(x.shape, x.min(), x.max(), sorted(set(y.tolist())), hashlib.sha256(x.tobytes()).hexdigest()[:12])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "20def7f70a70" and out.stdout.startswith("(1797, 64) 0.0 16.0 [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]"), out.stdout
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "examples/digits.npz" in project["tool"]["setuptools"]["package-data"]["mpistrat"]
+    assert "scikit-learn" not in str(project["project"]["optional-dependencies"])

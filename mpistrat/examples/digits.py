@@ -1,4 +1,4 @@
-"""The training example's input: scikit-learn's digits stored as ``.npy`` shards, read by FILE-sharded pipelines.
+"""The training example's input: the UCI handwritten digits stored as ``.npy`` shards, read by FILE-sharded pipelines.
 
 The shards are laid out so that every layout of ranks and replicas sees the
 same global batches (:func:`train_dataset` says how).
@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DigitsData", "prepare_digits", "train_dataset", "test_dataset", "epoch_seed", "NUM_FEATURES", "NUM_CLASSES"]
+__all__ = ["DigitsData", "prepare_digits", "load_digits", "train_dataset", "test_dataset", "epoch_seed",
+           "NUM_FEATURES", "NUM_CLASSES"]
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
@@ -52,11 +53,21 @@ def _save_npy(path: str, array: np.ndarray) -> None:
         os.fsync(f.fileno())
 
 
-def _write_digits(target: str, num_shards: int) -> None:
-    from sklearn.datasets import load_digits  # noqa: PLC0415
+# The 1,797 8x8 images of the UCI "Optical Recognition of Handwritten Digits" test set (E. Alpaydin,
+# C. Kaynak, 1998; CC BY 4.0), pixel counts 0..16, as scikit-learn bundles them (sklearn.datasets.load_digits),
+# stored here as uint8 so that the example needs no scikit-learn.
+DIGITS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.npz")
 
-    digits = load_digits()
-    rows = np.hstack([digits.data / 16.0, digits.target[:, None]]).astype(np.float32)
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """``(images, labels)``: float64 pixel counts 0..16, shape (1797, 64), and int64 labels 0..9."""
+    with np.load(DIGITS_FILE) as data:
+        return data["images"].astype(np.float64), data["labels"].astype(np.int64)
+
+
+def _write_digits(target: str, num_shards: int) -> None:
+    images, labels = load_digits()
+    rows = np.hstack([images / 16.0, labels[:, None]]).astype(np.float32)
     order = np.random.default_rng(DATA_SEED).permutation(len(rows))
     num_test = int(round(len(rows) * TEST_FRACTION))
     test, train = rows[order[:num_test]], rows[order[num_test:]]
@@ -77,7 +88,7 @@ def _write_digits(target: str, num_shards: int) -> None:
             name = f"test-{k:05d}-of-{num_shards:05d}.npy"
             _save_npy(os.path.join(tmp, name), part)
             names["test_files"].append(name)
-        manifest = {"dataset": "sklearn.datasets.load_digits", "data_seed": DATA_SEED, "num_shards": num_shards,
+        manifest = {"dataset": "UCI optical handwritten digits (mpistrat/examples/digits.npz)", "data_seed": DATA_SEED, "num_shards": num_shards,
                     "rows_per_shard": per_shard, "num_train": len(train), "num_test": len(test),
                     "num_features": NUM_FEATURES, "num_classes": NUM_CLASSES, "columns": "64 pixels / 16, label", **names}
         _save_json(os.path.join(tmp, "manifest.json"), manifest)
@@ -107,7 +118,7 @@ def _save_json(path: str, obj: dict) -> None:
 def prepare_digits(data_dir: str, num_shards: int, comm: Any = None) -> DigitsData:
     """Write the digits shards into ``data_dir`` unless present; collective over ``comm`` (mpi4py) if given.
 
-    scikit-learn's bundled digits (no download) become ``S`` train and ``S``
+    The bundled digits (``digits.npz``, no download) become ``S`` train and ``S``
     test shards, each row 64 pixel values / 16 and the label. The first rank
     of each node writes (atomically: a temporary directory renamed into
     place); the others wait, so several ranks and several jobs may share the

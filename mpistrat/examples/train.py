@@ -1,4 +1,4 @@
-"""Data-parallel training of an MLP on scikit-learn's digits, the tf.distribute way, on MPI.
+"""Data-parallel training of an MLP on the UCI handwritten digits, the tf.distribute way, on MPI.
 
 Run it as ``python examples/train.py``, ``python -m mpistrat.examples.train``,
 ``mpiexec -n 4 python examples/train.py`` or ``srun --mpi=pmi2 python
@@ -59,7 +59,7 @@ def _positive(kind: type) -> Any:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (see ``--help``)."""
     p = argparse.ArgumentParser(
-        prog="train.py", description="Data-parallel MLP training on scikit-learn's digits with mpistrat "
+        prog="train.py", description="Data-parallel MLP training on the UCI handwritten digits with mpistrat "
         "(MultiWorkerMirroredStrategy over MPI ranks).")
     p.add_argument("--epochs", type=_positive(int), default=10, help="epochs to train in total (default 10)")
     p.add_argument("--global-batch-size", type=_positive(int), default=64,
