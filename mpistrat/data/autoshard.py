@@ -10,9 +10,9 @@ every worker walks the same global order.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
+from mpistrat import logs
 from mpistrat.data.dataset import Dataset
 from mpistrat.data.node import Node
 from mpistrat.data.options import AutoShardPolicy
@@ -22,7 +22,7 @@ from mpistrat.data.transformations import ShuffleNode
 __all__ = ["FILE", "DATA", "OFF", "file_sources", "shard_by_file", "resolve_policy", "with_seeds", "needs_seeds", "logger"]
 
 FILE, DATA, OFF = "FILE", "DATA", "OFF"
-logger = logging.getLogger("mpistrat.data")
+logger = logs.get_logger("mpistrat.data")
 
 
 def file_sources(node: Node, path: tuple = ()) -> list:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from mpistrat import logs
 from mpistrat.distribute.cross_device_ops import select_cross_device_ops
 from mpistrat.distribute.strategy import Strategy, StrategyExtended
 
@@ -50,6 +51,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise ValueError(f"Every worker needs the same number of local devices; got {detail}")
         self._cluster_resolver = resolver
         communicator = RankCommunicator(comm, options)  # checks every rank's settings, on every rank
+        logs.set_rank(comm.Get_rank(), comm.Get_size())  # mpistrat's log records name this rank
         if comm.Get_size() > 1:
             install_abort_on_exception()
         super().__init__(StrategyExtended(

@@ -7,10 +7,9 @@ when a communicator (strategy) is created.
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
-from mpistrat import timeline
+from mpistrat import logs, timeline
 
 __all__ = [
     "STALL_WARNING_ENV",
@@ -27,7 +26,7 @@ STALL_WARNING_ENV = "MPISTRAT_STALL_WARNING_SECONDS"
 # that long raises CollectiveTimeoutError on the waiting ranks (as timeout_seconds does; the shorter of
 # the two applies), and a rank that arrives later finds the collective abandoned and raises too.
 STALL_SHUTDOWN_ENV = "MPISTRAT_STALL_SHUTDOWN_SECONDS"
-logger = logging.getLogger("mpistrat")
+logger = logs.get_logger("mpistrat")
 
 
 def _ranks(ranks: Sequence[int]) -> str:
