@@ -40,6 +40,7 @@ __version__ = "0.1.0"
 # Names whose modules need MPI or optional parts are imported on first use.
 _LAZY = {
     "MultiWorkerMirroredStrategy": ("mpistrat.distribute.multi_worker", "MultiWorkerMirroredStrategy"),
+    "TPUStrategy": ("mpistrat.distribute.tpu", "TPUStrategy"),
     "InputOptions": ("mpistrat.distribute.input_options", "InputOptions"),
     "InputContext": ("mpistrat.distribute.input_options", "InputContext"),
     "InputReplicationMode": ("mpistrat.distribute.input_options", "InputReplicationMode"),
