@@ -270,3 +270,26 @@ def test_checkpoint_round_trip(strategy, tmp_path):
     v.assign(np.zeros(3, np.float32))
     ckpt.restore(path)
     assert v.numpy().tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.gpu
+def test_cpu_and_gpu_compute_devices_with_variables_on_the_cpu():
+    # TF: central_storage_strategy.py CentralStorageStrategy.reduce docstring: compute_devices=['CPU:0', 'GPU:0'],
+    # parameter_device='CPU:0'; the variable stays on the CPU, a GPU replica reads it on its own device, and the
+    # replicas' SUM-aggregated update is applied once on the CPU.
+    cupy = pytest.importorskip("cupy")
+    s = ms.experimental.CentralStorageStrategy(["/cpu:0", "/gpu:0"], parameter_device="/cpu:0")
+    with s.scope():
+        v = ms.Variable(np.ones(4, np.float32), aggregation=ms.VariableAggregation.SUM)
+    assert v.device == CPU0
+
+    def step():
+        ctx = ms.get_replica_context()
+        read = v.read_value()
+        on_gpu = isinstance(read, cupy.ndarray)
+        v.assign_add(read * (ctx.replica_id_in_sync_group + 1))
+        return on_gpu
+
+    flags = s.experimental_local_results(s.run(step))
+    assert list(flags) == [False, True]
+    assert isinstance(v.value(), np.ndarray) and v.numpy().tolist() == [4.0] * 4  # 1 + 1*1 + 1*2

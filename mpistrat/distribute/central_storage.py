@@ -97,7 +97,16 @@ class AggregatingVariable(BaseVariable):
         return self._v.constraint
 
     def value(self) -> Any:
-        return self._v.value()
+        """The variable's value; read in a replica on another GPU, a copy on that replica's device (TF copies a
+        variable's value to the op's device)."""
+        value = self._v.value()
+        frame = context.current_frame()
+        if frame.strategy is self._distribute_strategy and frame.update_replica is None \
+                and frame.replica_context is not None:
+            device = self._distribute_strategy.extended._local_devices[frame.replica_context._local_replica_id]
+            if device != self._v.device and (dev.is_gpu(device) or dev.is_gpu(self._v.device)):
+                return dev.to_device(value, device)
+        return value
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
