@@ -172,8 +172,9 @@ def test_variable_created_in_replica_context_is_shared(strategy):
 
 
 def test_reduce_run_and_values_from_function(strategy):
-    # TF: central_storage_strategy.py CentralStorageStrategy.reduce docstring (range(10) through the replicas,
-    # SUM axis=None then axis=0) and _experimental_distribute_values_from_function (one value per replica).
+    # TF: central_storage_strategy.py CentralStorageStrategy.reduce docstring (axis=None combines the replicas
+    # element-wise, axis=0 also reduces along the batch, MEAN divides by the global count) and
+    # ParameterServerStrategyExtended._experimental_distribute_values_from_function (one value per replica).
     values = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.arange(2) + 2 * ctx.replica_id_in_sync_group)
     result = strategy.run(lambda x: x, args=(values,))
@@ -184,8 +185,9 @@ def test_reduce_run_and_values_from_function(strategy):
 
 
 def test_distribute_dataset_splits_batches_over_the_compute_devices(strategy):
-    # TF: central_storage_strategy.py experimental_distribute_dataset docstring ("Prints PerReplica values [0, 1],
-    # [2, 3],..." for range(10).batch(2) over 1 CPU and 1 GPU): each global batch is split over the replicas.
+    # TF: ParameterServerStrategyExtended._experimental_distribute_dataset over _input_workers_with_options (one
+    # worker whose devices are the compute devices): each global batch is split over the replicas, as in
+    # MirroredStrategy (central_storage_strategy.py experimental_distribute_dataset: PerReplica values).
     dist = strategy.experimental_distribute_dataset(ms.data.Dataset.range(8).batch(4))
     steps = [[x.tolist() for x in strategy.experimental_local_results(e)] for e in dist]
     assert steps == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
