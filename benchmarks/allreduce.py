@@ -3,6 +3,7 @@
     mpiexec -n 2 python benchmarks/allreduce.py
     mpiexec -n 4 python benchmarks/allreduce.py [--max-size 64M] [--budget 0.6] [--implementation AUTO]
         [--columns strategy,window] [--plot busbw.png]
+    mpiexec -n 2 python benchmarks/allreduce.py --columns strategy,deterministic --max-size 16M
 
 Prints, for float32 buffers of 4 KiB..64 MiB, the time per all-reduce, algbw
 and busbw (nccl-tests convention: algbw = bytes / time, busbw = algbw *
@@ -15,6 +16,10 @@ and busbw (nccl-tests convention: algbw = bytes / time, busbw = algbw *
 * ``rankcomm``: the ``RankCommunicator.allreduce([buf], "sum")`` call the
   strategy makes, without the strategy around it;
 * ``inplace``: the same with ``inplace=True``;
+* ``deterministic``: the ``strategy`` call with
+  ``options=CommunicationOptions(deterministic=True)``; with the ``strategy``
+  column too, ``det/def`` is the median over iterations of its time over the
+  ``strategy`` call's in the same iteration (its cost over the default path);
 * ``window``: the node shared-memory window path on data already packed
   into the window (as fusion packs a bucket), forced on at every size; the
   ``auto`` column is the path the size threshold picks (window or raw MPI)
@@ -81,6 +86,21 @@ def strategy_all_reduce(ctx: Context, buf: Any) -> Callable[[], Any]:
     return lambda: run(step)
 
 
+DETERMINISTIC = CommunicationOptions(deterministic=True)
+
+
+def strategy_deterministic(ctx: Context, buf: Any) -> Callable[[], Any]:
+    """The ``strategy`` column with ``options=CommunicationOptions(deterministic=True)`` (the same bits for
+    any layout: an all-reduce MAX of int16 exponents, then an all-reduce SUM of int64, comm/deterministic.py)."""
+    run = ctx.strategy.run
+    get = ms.get_replica_context
+
+    def step() -> Any:
+        return get().all_reduce("sum", buf, options=DETERMINISTIC)
+
+    return lambda: run(step)
+
+
 def rank_communicator(ctx: Context, buf: np.ndarray) -> Callable[[], None]:
     """``RankCommunicator.allreduce([buf], "sum")`` (checked; result in a new array)."""
     rc = ctx.rc
@@ -118,6 +138,7 @@ MEASURED: dict[str, tuple[str, Callable[[Context, np.ndarray], Callable[[], Any]
     "rankcomm": ("RankCommunicator", rank_communicator),
     "inplace": ("RankComm inplace", rank_communicator_inplace),
     "window": ("shm window", window_packed),
+    "deterministic": ("deterministic=True", strategy_deterministic),
 }
 DEFAULT_COLUMNS = "strategy,window"
 
@@ -219,6 +240,9 @@ def size_table(ctx: Context, names: list[str], args: argparse.Namespace,
         units += f" | {'(us)':>19} {'GB/s':>6} {'GB/s':>6}" + (" " * 12 if name != "raw" else "")
     if auto:
         header += f" | {'auto':>6} {'ratio':>5}"
+    versus = "strategy" in names and "deterministic" in names
+    if versus:
+        header += f" | {'det/def':>7}"
     say(header)
     say(units)
     rows = []
@@ -240,6 +264,9 @@ def size_table(ctx: Context, names: list[str], args: argparse.Namespace,
             use = shm is not None and shm.enabled(size, np.dtype(np.float32), "sum")
             t = medians[names.index("window")] if use else medians[0]
             line += f" | {'window' if use else 'mpi':>6} {medians[0] / t:>5.2f}"
+        if versus:
+            det, default = names.index("deterministic"), names.index("strategy")
+            line += f" | {float(np.median(times[:, det] / times[:, default])):>7.2f}"
         say(line, flush=True)
         rows.append((size, medians))
         size *= 4

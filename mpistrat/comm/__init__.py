@@ -14,6 +14,7 @@ _NAMES = {
     "RankCommunicator": "mpistrat.comm.communicator",
     "CommunicationOptions": "mpistrat.comm.options",
     "CommunicationImplementation": "mpistrat.comm.options",
+    "reproducible_sum": "mpistrat.comm.deterministic",
     "CollectiveError": "mpistrat.comm.errors",
     "CollectiveMismatchError": "mpistrat.comm.errors",
     "CollectiveTimeoutError": "mpistrat.comm.errors",

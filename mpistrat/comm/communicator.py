@@ -18,6 +18,7 @@ from mpistrat import config, ops, timeline
 from mpistrat.comm.agreement.call import CHECKED, CallAgreement, check_aux, choose_mode, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
 from mpistrat.comm.agreement.signatures import CallKey, fingerprint
+from mpistrat.comm.deterministic import replicas_error, reproducible_sum
 from mpistrat.comm.errors import CollectiveError, allgather_checked
 from mpistrat.comm.execute import run_steps
 from mpistrat.comm.fusion import pack, plan_buckets
@@ -48,11 +49,14 @@ def _op_param(op: Any) -> tuple[str, Exception | None]:
         return repr(op), exc
 
 
-def _op_params(opname: str, divisor: int | None, structure: str | None = None) -> tuple:
-    """The agreement key's parameters of an all-reduce: its logical op (MEAN: the sum and its divisor), and
-    the nesting of its arrays when the caller gave one."""
+def _op_params(opname: str, divisor: int | None, structure: str | None = None, phase: str | None = None) -> tuple:
+    """The agreement key's parameters of an all-reduce: its logical op (MEAN: the sum and its divisor), the
+    nesting of its arrays when the caller gave one, and its phase of a deterministic all-reduce (so ranks
+    asking ``deterministic=True`` and ranks not asking it raise a mismatch)."""
     params: tuple = (("op", opname),) if divisor is None else (("op", "mean"), ("divisor", divisor))
-    return params if structure is None else params + (("structure", structure),)
+    if structure is not None:
+        params += (("structure", structure),)
+    return params if phase is None else params + (("deterministic", phase),)
 
 
 def _divisor_error(opname: str, divisor: Any) -> Exception | None:
@@ -265,17 +269,72 @@ class RankCommunicator:
                 plan = self._planner.singles.get((op, divisor, a.shape, a.dtype, type(a)))
                 if plan is not None and self._worker is None and self.size > 1 and not timeline.enabled():
                     return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
+        if self.options.deterministic or getattr(options, "deterministic", False):
+            return self._deterministic(arrays, op, options, inplace, divisor, structure)
         return self._allreduce(arrays, op, options, inplace, divisor, structure)
 
+    def _deterministic(self, arrays: Sequence[Any], op: Any, options: CommunicationOptions | None, inplace: bool,
+                       divisor: int | None, structure: str | None) -> list:
+        """:meth:`allreduce` with ``deterministic=True``: sums by :meth:`deterministic_sum`; min and max as
+        always (every order gives the same bits), with the flag in the agreement key."""
+        opname, error = _op_param(op)
+        if error is None and opname != "sum":
+            return self._allreduce(arrays, op, options, inplace, divisor, structure, phase="minmax")
+        arrays = list(arrays)
+        results = self.deterministic_sum([arrays], options, divisor=divisor, structure=structure, op=op)
+        if not inplace:
+            return results
+        for a, r in zip(arrays, results):
+            a[...] = r
+        return arrays
+
+    def deterministic_sum(self, per_replica: Sequence[Sequence[Any]], options: CommunicationOptions | None = None,
+                          *, divisor: int | None = None, structure: str | None = None, op: Any = "sum") -> list:
+        """The sum over every replica of every rank of each leaf, bitwise the same for any rank count and any
+        spread of the replicas over ranks and nodes (``deterministic.reproducible_sum``).
+
+        ``per_replica[i][j]``: leaf j of this rank's local replica i (NumPy or CuPy arrays; every rank the
+        same number of replicas). Collective: every rank calls it (or :meth:`allreduce` with
+        ``deterministic=True``) with leaves of the same shapes and dtypes; a rank that does not raises a
+        mismatch on every rank. ``divisor``: MEAN's, for the agreement check (the caller divides). New arrays.
+        """
+        timeout = self._timeout if options is None else self._settings(options)[0]
+        opname, error = _op_param(op)
+        first = list(per_replica[0]) if per_replica else []
+        sig, kinds, sig_error = allreduce_signature(first, False, self._device_mpi_missing)
+        error = error or sig_error or _divisor_error(opname, divisor)
+        if error is None and first:
+            error = replicas_error(per_replica)
+        if error is None and opname != "sum":
+            error = ValueError(f"deterministic_sum: op must be 'sum', got {opname!r}")
+        error = error or self._planner.invalid(sig, opname)
+        if error is None and kinds is not None and CAI in kinds:
+            error = TypeError("deterministic all-reduce: buffers with only __cuda_array_interface__ are not "
+                              "supported; pass CuPy or NumPy arrays")
+        if error is not None:
+            self._agree(("allreduce", _op_params(opname, None, structure, "sum"), sig), timeout, error=error)
+            raise error  # one rank: the agreement had no one to tell
+        if not first:
+            return []
+        n = len(per_replica) * self.size
+
+        def reduce(arrays: list, wire: str, phase: str) -> list:  # the arrays are reproducible_sum's own
+            return self._allreduce(arrays, wire, options, True, divisor if wire == "sum" else None, structure,
+                                   phase=phase)
+
+        return reproducible_sum(per_replica, n, reduce)
+
     def _allreduce(self, arrays: Sequence[Any], op: Any, options: CommunicationOptions | None, inplace: bool,
-                   divisor: int | None, structure: str | None = None) -> list:
-        """:meth:`allreduce`: plan (signature, validation, cached steps), agreement, execute."""
+                   divisor: int | None, structure: str | None = None, phase: str | None = None) -> list:
+        """:meth:`allreduce`: plan (signature, validation, cached steps), agreement, execute. ``phase``: the
+        step of a deterministic all-reduce this call is (part of its key)."""
         if self._worker is not None:  # calls started asynchronously before this one run first
             self._worker.drain()
         traced = timeline.enabled()
         t0 = timeline.now_us() if traced else 0.0
         timeout, pack_bytes = (self._timeout, self._pack) if options is None else self._settings(options)
-        single = arrays[0] if type(arrays) is list and len(arrays) == 1 and options is None and not inplace else None
+        single = (arrays[0] if type(arrays) is list and len(arrays) == 1 and options is None and not inplace
+                  and phase is None else None)
         arrays = list(arrays)
         # Plan: the signature and validation, then the steps, cached by everything the key is made of.
         opname, error = _op_param(op)
@@ -286,12 +345,12 @@ class RankCommunicator:
         error = error or sig_error
         plan = None
         if error is None:
-            plan_key = (opname, divisor, sig, kinds, pack_bytes, inplace, structure)
+            plan_key = (opname, divisor, sig, kinds, pack_bytes, inplace, structure, phase)
             plan = self._planner.cached(plan_key)
         if plan is not None:  # a repeated call: its key and fingerprint were made with its plan
             key, h, mode = plan.key, plan.h, plan.repeat_mode
         else:
-            key = ("allreduce", _op_params(opname, divisor, structure), sig)
+            key = ("allreduce", _op_params(opname, divisor, structure, phase), sig)
             error = error or self._planner.invalid(sig, opname)
             if error is not None:
                 self._agree(key, timeout, error=error)  # raises on every rank

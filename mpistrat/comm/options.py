@@ -68,15 +68,21 @@ class CommunicationOptions:
       timeout_seconds: how long a collective may wait for the other ranks
         before raising; None falls back to ``MPISTRAT_TIMEOUT_SECONDS`` (600 s).
       implementation: a :class:`CommunicationImplementation` or its name.
+      deterministic: mpistrat's: sums (and MEAN) whose bits depend only on the
+        replicas' values, never on the rank count, the replicas per rank or
+        the node layout (an exact fixed-point sum, docs/internals.md,
+        "Deterministic all-reduce"); every rank must ask for it or none.
+        ``merge`` keeps it on once either side asks.
     """
 
-    __slots__ = ("bytes_per_pack", "timeout_seconds", "implementation")
+    __slots__ = ("bytes_per_pack", "timeout_seconds", "implementation", "deterministic")
 
     def __init__(
         self,
         bytes_per_pack: int = 0,
         timeout_seconds: float | None = None,
         implementation: "CommunicationImplementation | str" = CommunicationImplementation.AUTO,
+        deterministic: bool = False,
     ) -> None:
         if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int):
             raise ValueError(f"Argument `bytes_per_pack` must be an int >= 0, received {bytes_per_pack!r}.")
@@ -99,6 +105,9 @@ class CommunicationOptions:
         self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = _validate_timeout(timeout_seconds, "Argument `timeout_seconds`")
         self.implementation = implementation
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"Argument `deterministic` must be a bool, received {deterministic!r}.")
+        self.deterministic = bool(deterministic)
 
     def merge(self, options: "CommunicationOptions | None") -> "CommunicationOptions":
         """A copy where the non-default fields of ``options`` take precedence."""
@@ -113,6 +122,8 @@ class CommunicationOptions:
             merged.timeout_seconds = options.timeout_seconds
         if options.implementation != CommunicationImplementation.AUTO:
             merged.implementation = options.implementation
+        if getattr(options, "deterministic", False):
+            merged.deterministic = True
         return merged
 
     def pack_bytes(self) -> int:
@@ -128,14 +139,16 @@ class CommunicationOptions:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CommunicationOptions):
             return NotImplemented
-        return (self.bytes_per_pack, self.timeout_seconds, self.implementation) == (
+        return (self.bytes_per_pack, self.timeout_seconds, self.implementation, self.deterministic) == (
             other.bytes_per_pack,
             other.timeout_seconds,
             other.implementation,
+            other.deterministic,
         )
 
     def __repr__(self) -> str:
         return (
             f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
-            f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation})"
+            f"timeout_seconds={self.timeout_seconds}, implementation={self.implementation}"
+            + (", deterministic=True)" if self.deterministic else ")")
         )

@@ -13,6 +13,7 @@ import numpy as np
 
 from mpistrat import arrays, config, ops
 from mpistrat import devices as dev
+from mpistrat.comm import reproducible_sum  # loads no MPI
 from mpistrat.distribute.in_flight import InFlightReduction
 from mpistrat.distribute.values import DistributedValues, Mirrored
 from mpistrat.ops import ReduceOp
@@ -230,6 +231,9 @@ class CrossDeviceOps:
         if num_local == 0 or not per_replica_leaves[0]:
             return InFlightReduction(None, [], lambda _: [[] for _ in range(num_local)])
         op = ReduceOp.from_string(reduce_op)
+        if self._deterministic(op, options):  # run now (after the reductions started before it)
+            rows = self.batch_all_reduce(op, per_replica_leaves, devices, options, structure)
+            return InFlightReduction(None, rows, lambda rows: rows)
         try:
             per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
             reduced, owned = self._reduce_locally(op, per_replica_leaves, devices)
@@ -309,6 +313,10 @@ class CrossDeviceOps:
         """Every replica's leaves (converted by ``arrays.as_arrays``) reduced over all replicas, on one device."""
         op = ReduceOp.from_string(reduce_op)
         num_local = len(per_replica)
+        if self._deterministic(op, options):
+            reduced = self._reproducible_sum(op, per_replica, devices, options, structure)
+            n = self._global_count(num_local)
+            return [_divide(r, n) for r in reduced] if op is ReduceOp.MEAN else reduced
         try:
             reduced, owned = self._reduce_locally(op, per_replica, devices)
         except Exception as exc:
@@ -323,6 +331,32 @@ class CrossDeviceOps:
             n = self._global_count(num_local)
             reduced = [_divide(r, n) for r in reduced]
         return reduced
+
+    def _deterministic(self, op: ReduceOp, options: Any) -> bool:
+        """Whether a SUM or MEAN takes the reproducible sum: ``deterministic=True`` in the call's options or
+        the communicator's (MIN and MAX give the same bits in every order)."""
+        comm = self._communicator
+        asked = getattr(options, "deterministic", False) or (comm is not None and comm.options.deterministic)
+        return asked and op in (ReduceOp.SUM, ReduceOp.MEAN)
+
+    def _reproducible_sum(self, op: ReduceOp, per_replica: list[list], devices: Sequence[str], options: Any,
+                          structure: str | None) -> list:
+        """The local replicas' leaves summed with every other rank's, bitwise the same for any layout of the
+        replicas (``RankCommunicator.deterministic_sum``, no local sum first), on the first replica's device."""
+        comm = self._communicator
+        try:
+            check_reducible(op, per_replica)
+            if self.check_numerics:
+                self._check_finite(per_replica)
+            target = devices[0]
+            per_replica = [[dev.to_device(v, target) if dev.is_gpu(target) else _as_array(v) for v in leaves]
+                           for leaves in per_replica]
+        except Exception as exc:
+            self._fail_everywhere(exc, options)
+        if comm is not None:
+            return comm.deterministic_sum(per_replica, options, divisor=self._divisor(op, len(per_replica)),
+                                          structure=structure)
+        return reproducible_sum(per_replica, len(per_replica))
 
     def _fail_everywhere(self, error: Exception, options: Any) -> NoReturn:
         """Raise ``error``, met in this rank's own stage (converting or reducing its replicas), on every rank:
