@@ -1,7 +1,11 @@
 """A Chrome-trace timeline of what each rank did (view in Perfetto or chrome://tracing).
 
 Start it with ``MPISTRAT_TIMELINE=path`` in the environment (it starts when mpistrat is imported) or
-:func:`start`; :func:`stop` (also at exit) merges the ranks' files into ``path``. Recording costs one
+:func:`start`. Each rank streams its events as they happen to ``path.rank<R>.jsonl``, one JSON event
+per line, through a bounded buffer flushed when it fills, every :data:`FLUSH_SECONDS` by a timer, at
+:func:`stop` and on the abort path (:func:`flush`), so a job that is killed leaves every rank's events
+up to about a second before the kill. :func:`stop` (also at exit) merges the ranks' files into
+``path``; ``python -m mpistrat timeline merge`` merges what a killed job left. Recording costs one
 ``if`` when the timeline is off (:func:`enabled`).
 """
 
@@ -17,10 +21,16 @@ from typing import Any, Iterator
 
 from mpistrat import config
 
-__all__ = ["start", "stop", "enabled", "span", "record", "now_us", "merge_files"]
+__all__ = ["start", "stop", "flush", "enabled", "span", "record", "now_us", "merge_files", "read_events",
+           "FLUSH_SECONDS", "BUFFER_EVENTS"]
+
+FLUSH_SECONDS = 1.0  # the timer's period: what a killed rank may lose
+BUFFER_EVENTS = 4096  # events held before a write, whatever the timer
 
 _lock = threading.Lock()
-_events: list[dict] | None = None
+_events: list[dict] | None = None  # the buffer: events not yet written (None: not recording)
+_file: Any = None  # this rank's open .jsonl file
+_timer: threading.Event | None = None  # set to stop the flush timer
 _path: str | None = None
 _rank = 0
 _size = 1
@@ -57,6 +67,9 @@ def record(name: str, category: str, start_us: float, duration_us: float, **args
              "pid": _rank, "tid": threading.get_ident() % 1_000_000, "args": args}
     with _lock:
         events.append(event)
+        full = len(events) >= BUFFER_EVENTS
+    if full:
+        flush()
 
 
 @contextlib.contextmanager
@@ -84,21 +97,43 @@ def _world() -> tuple[int, int, Any]:
 
 
 def start(path: str) -> None:
-    """Start recording; ``path`` is the merged file rank 0 writes at stop."""
-    global _events, _path, _rank, _size
+    """Start recording; ``path`` is the merged file rank 0 writes at stop (ranks stream ``path.rank<R>.jsonl``)."""
+    global _events, _path, _rank, _size, _file, _timer
     from mpi4py import MPI  # noqa: F401, PLC0415  (initialises MPI so the rank is known)
 
     _rank, _size, _ = _world()
     _path = os.path.abspath(path)
+    _file = open(_rank_file(_path, _rank), "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
     with _lock:
+        _events = [{"name": "process_name", "ph": "M", "pid": _rank, "tid": 0, "args": {"name": f"rank {_rank}"}},
+                   {"name": "process_sort_index", "ph": "M", "pid": _rank, "tid": 0, "args": {"sort_index": _rank}}]
+    flush()
+    _timer = threading.Event()
+    threading.Thread(target=_flush_every, args=(_timer,), name="mpistrat-timeline-flush", daemon=True).start()
+
+
+def _flush_every(stopped: threading.Event) -> None:
+    while not stopped.wait(FLUSH_SECONDS):
+        flush()
+
+
+def flush() -> None:
+    """Write the buffered events to this rank's file now (the timer, a full buffer, the abort path)."""
+    global _events
+    with _lock:
+        events, out = _events, _file
+        if not events or out is None:
+            return
         _events = []
-    threads = [{"name": "process_name", "ph": "M", "pid": _rank, "tid": 0, "args": {"name": f"rank {_rank}"}},
-               {"name": "process_sort_index", "ph": "M", "pid": _rank, "tid": 0, "args": {"sort_index": _rank}}]
-    _events.extend(threads)
+        try:
+            out.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events))
+            out.flush()
+        except (OSError, ValueError):  # a closed file, a full disk: the timeline must not end the program
+            pass
 
 
 def _rank_file(path: str, rank: int) -> str:
-    return f"{path}.rank{rank}.json"
+    return f"{path}.rank{rank}.jsonl"
 
 
 def _wait_all(comm: Any, timeout: float) -> bool:
@@ -113,24 +148,24 @@ def _wait_all(comm: Any, timeout: float) -> bool:
 
 
 def stop(timeout: float = 30.0) -> str | None:
-    """Stop recording, write this rank's file and (rank 0) the merged file; returns the merged path.
+    """Stop recording, write what is buffered and (rank 0) merge the ranks' files; returns the merged path.
 
-    Each rank writes ``path.rank<R>.json``; rank 0 waits (at most ``timeout`` seconds) for the others
-    and merges them into ``path``: one process track per rank (pid = rank), one thread track per
-    Python thread.
+    Rank 0 waits (at most ``timeout`` seconds) for the others and merges their files into ``path``:
+    one process track per rank (pid = rank), one thread track per Python thread.
     """
-    global _events
+    global _events, _file, _timer
     if _events is None:
         return None
+    if _timer is not None:
+        _timer.set()
+    flush()
     with _lock:
-        events, _events = _events, None
+        _events = None
+        out, _file, _timer = _file, None, None
+    if out is not None:
+        out.close()
     path = _path
     assert path is not None
-    rank_path = _rank_file(path, _rank)
-    tmp = rank_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"traceEvents": events}, f)
-    os.replace(tmp, rank_path)
     _, size, comm = _world()
     all_here = _wait_all(comm, timeout) if comm is not None and size > 1 else True
     if _rank != 0:
@@ -139,15 +174,29 @@ def stop(timeout: float = 30.0) -> str | None:
     return path
 
 
-def merge_files(path: str, rank_files: list[str], complete: bool = True) -> dict:
-    """Merge per-rank trace files into one Chrome-trace JSON at ``path``; returns the merged dict."""
+def read_events(rank_file: str) -> list[dict]:
+    """The events of one rank's file (``.jsonl``; a last line cut off by a kill is left out)."""
+    events = []
+    with open(rank_file, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                break  # the line a kill cut short: nothing after it was written
+    return events
+
+
+def merge_files(path: str, rank_files: list[str], complete: bool = True, remove: bool = True) -> dict:
+    """Merge per-rank files into one Chrome-trace JSON at ``path`` (atomically); returns the merged dict.
+
+    ``remove``: delete the rank files merged (a job's own stop does; ``timeline merge`` keeps them).
+    """
     merged: list[dict] = []
     missing = []
     for f in rank_files:
         try:
-            with open(f) as fh:
-                merged.extend(json.load(fh)["traceEvents"])
-        except (OSError, ValueError):
+            merged.extend(read_events(f))
+        except OSError:
             missing.append(f)
     document = {"traceEvents": merged, "displayTimeUnit": "ms",
                 "otherData": {"ranks": len(rank_files), "missing_rank_files": missing, "complete": complete}}
@@ -155,9 +204,10 @@ def merge_files(path: str, rank_files: list[str], complete: bool = True) -> dict
     with open(tmp, "w") as fh:
         json.dump(document, fh)
     os.replace(tmp, path)
-    for f in rank_files:
-        if f not in missing:
-            os.remove(f)
+    if remove:
+        for f in rank_files:
+            if f not in missing:
+                os.remove(f)
     return document
 
 

@@ -16,6 +16,7 @@ __all__ = ["COMMANDS", "main"]
 #: name -> (module, one-line help). Add a command by adding a line here.
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("mpistrat.tools.info", "print MPI, CUDA, GPU and device facts for every rank"),
+    "timeline": ("mpistrat.tools.timeline", "merge the per-rank timeline files of a job; summarise a trace per rank"),
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from mpistrat import config
+from mpistrat import config, timeline
 
 __all__ = [
     "install_abort_on_exception",
@@ -79,7 +79,9 @@ def unlink_mpi_shared_memory_files() -> list[str]:
 def abort_world(code: int) -> None:
     """``MPI.COMM_WORLD.Abort(code)`` after a short pause, so the launcher can
     forward what this rank just wrote before it kills the job; MPICH's shared
-    memory files are unlinked first (:func:`unlink_mpi_shared_memory_files`)."""
+    memory files are unlinked first (:func:`unlink_mpi_shared_memory_files`), and the timeline's buffered
+    events written (:func:`mpistrat.timeline.flush`)."""
+    timeline.flush()
     unlink_mpi_shared_memory_files()
     time.sleep(0.2)
     MPI.COMM_WORLD.Abort(code)
