@@ -198,7 +198,8 @@ class RankCommunicator:
 
     def fail_collective(self, name: str, error: Exception, options: CommunicationOptions | None = None) -> NoReturn:
         """Take part in the collective ``name`` the peers are calling with a local ``error`` instead: every rank
-        raises (this one ``error``, the others a mismatch naming it).
+        raises. Where every rank failed with an error of one type, each raises its own; where some did not
+        fail, every rank raises a mismatch naming the errors.
 
         For a caller that failed before its collective (converting or reducing its own input):
         raising alone would leave the peers waiting, or pair this rank's next collective with

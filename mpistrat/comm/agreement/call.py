@@ -57,6 +57,13 @@ def choose_mode(guard: AgreementGuard | None, host: bool, nbytes: int, folds_agr
     return FOLD if folds_agreement and guard.transport == "shm" else OVERLAP
 
 
+def _all_failed_alike(signatures: list, error: Exception) -> bool:
+    """Whether every rank sent a local error of ``error``'s type (their messages may name their own data)."""
+    prefix = f"{type(error).__name__}: "
+    return bool(signatures) and all(
+        len(key[1]) == 1 and key[1][0][0] == "error" and str(key[1][0][1]).startswith(prefix) for key in signatures)
+
+
 class CallAgreement(AgreementHook):
     """The agreement checks of one communicator, one call at a time (``guard`` None: one rank, no checks).
 
@@ -94,21 +101,27 @@ class CallAgreement(AgreementHook):
     def agree(self, key: CallKey, timeout: float, aux: int = 0, error: Exception | None = None,
               h: int | None = None) -> np.ndarray | None:
         """Check ``key`` with every rank; each rank's ``aux`` (None on one rank). A local ``error``
-        travels in the key, so every rank raises: this one ``error``, the others a mismatch naming it."""
+        travels in the key, so every rank raises: where all failed with one error type, each its own
+        error; else a mismatch naming the errors."""
         if error is not None:
             key = (key[0], (("error", f"{type(error).__name__}: {error}"),), ())
             h = None
         guard = self.guard
         aux_values = None
         if guard is not None:
-            if timeline.enabled():
-                t0 = timeline.now_us()
-                try:
+            try:
+                if timeline.enabled():
+                    t0 = timeline.now_us()
+                    try:
+                        aux_values = guard.check(key, timeout, aux, h)
+                    finally:
+                        self._record(t0, key)
+                else:
                     aux_values = guard.check(key, timeout, aux, h)
-                finally:
-                    self._record(t0, key)
-            else:
-                aux_values = guard.check(key, timeout, aux, h)
+            except CollectiveMismatchError as mismatch:
+                if error is not None and _all_failed_alike(mismatch.signatures, error):
+                    raise error from None  # the same kind of error everywhere: each rank its own, as alone
+                raise
         if error is not None:
             raise error
         return aux_values
