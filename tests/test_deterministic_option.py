@@ -210,6 +210,25 @@ def test_min_max_mean_in_one_process():
     assert same_bits(results["mean"], reference_sum(values) / np.float32(4))
 
 
+@pytest.mark.gpu
+def test_cupy_arrays_give_the_numpy_bits():
+    """The scheme on a GPU (CuPy, in one piece) gives the host's bits (NumPy, in pieces), NaN and Inf too;
+    MirroredStrategy on /gpu:0 takes it per call."""
+    import cupy
+
+    for dtype in (np.float16, np.float32, np.float64, np.complex64):
+        values = [v.astype(dtype) for v in replica_values(4, 70_000, np.float64, seed=5)]
+        values[1][:3] = [np.nan, np.inf, -np.inf]
+        values[2][1] = -np.inf
+        host = reproducible_sum([[v] for v in values], 4)[0]
+        device = reproducible_sum([[cupy.asarray(v)] for v in values], 4)[0]
+        assert isinstance(device, cupy.ndarray) and same_bits(cupy.asnumpy(device), host), dtype
+    values = replica_values(1, 1000)
+    strategy = ms.MirroredStrategy(["/gpu:0"])
+    out = strategy.run(lambda: ms.get_replica_context().all_reduce("sum", cupy.asarray(values[0]), options=DET))
+    assert same_bits(cupy.asnumpy(strategy.experimental_local_results(out)[0]), values[0])
+
+
 # --------------------------------------------------------------------------------------------------- MPI
 
 
