@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -59,19 +58,16 @@ def _codes(x: Any) -> Any:
     return ((x.view(view) >> mantissa) & mask).astype(np.int16)
 
 
-@functools.lru_cache(maxsize=64)
-def _scale_table(dtype: np.dtype, k: int) -> np.ndarray:
-    """2**(K - E) for every exponent field of ``dtype`` (float64 inputs: K - E as int32, for ldexp, since
-    2**(K - E) may overflow there)."""
-    fields = np.arange(_FORMATS[dtype][2] + 1, dtype=np.int64)
-    shifts = k - (fields - _FORMATS[dtype][3])
-    return shifts.astype(np.int32) if dtype == np.float64 else np.ldexp(1.0, shifts)
-
-
 def _scales(codes: Any, dtype: np.dtype, k: int, xp: Any) -> Any:
-    """2**(K - E) per element (float64; exact powers of two) from the agreed fields, or K - E for float64."""
-    table = _scale_table(dtype, k)
-    return (table if xp is np else xp.asarray(table)).take(codes.astype(np.intp))
+    """2**(K - E) per element from the agreed fields, as float64 built from its bits (an exact power of two;
+    a table lookup measured 6 times slower); for float64 inputs K - E as int32, for ldexp (2**(K - E) may
+    overflow there)."""
+    shift = k + _FORMATS[dtype][3]  # K - E = shift - b
+    if dtype == np.float64:
+        return xp.subtract(shift, codes, dtype=np.int32)
+    bits = xp.subtract(shift + 1023, codes, dtype=np.int64)
+    bits <<= 52
+    return bits.view(np.float64)
 
 
 def _step(xp: Any, size: int) -> int:
