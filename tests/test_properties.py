@@ -743,8 +743,7 @@ def test_distribute_dataset_splits_each_global_batch(name):
 # ---------------------------------------------------------------- known failures (issue 24)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: strategy.reduce(SUM/MEAN, bool values, axis=0) sums the booleans "
-                                       "(a count, a fraction) where axis=None and MIN/MAX raise TypeError")
+# Fixed in reduce_along.py (was a strict xfail found by this suite).
 @pytest.mark.parametrize("name", ["one_device", "mirrored_3cpu"])
 def test_reduce_along_axis_refuses_bool(name):
     strategy = get_strategy(name)
@@ -760,9 +759,7 @@ def test_reduce_along_axis_refuses_bool(name):
     prop()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: strategy.reduce(SUM, integers, axis=0) returns NumPy's promoted "
-                                       "dtype (int8/int16/int32 -> int64, unsigned -> uint64); axis=None and TF's "
-                                       "reduce_sum keep the dtype")
+# Fixed in reduce_along.py (was a strict xfail found by this suite).
 @pytest.mark.parametrize("name", ["one_device", "mirrored_3cpu"])
 def test_reduce_sum_along_axis_keeps_integer_dtype(name):
     strategy = get_strategy(name)
@@ -777,10 +774,7 @@ def test_reduce_sum_along_axis_keeps_integer_dtype(name):
     prop()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: reduce(MIN/MAX, axis=0) with a replica holding no rows raises "
-                                       "NumPy's ValueError \"Invalid integer data type 'c'\" (or 'b') for complex "
-                                       "and bool values (np.iinfo in reduce_along's empty-batch identity) instead of "
-                                       "the TypeError the other replicas raise")
+# Fixed in reduce_along.py (was a strict xfail found by this suite).
 @pytest.mark.parametrize("name", ["mirrored_3cpu"])
 def test_min_max_along_axis_of_an_empty_replica_refuses_complex_and_bool(name):
     strategy = get_strategy(name)
