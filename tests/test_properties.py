@@ -524,9 +524,7 @@ def test_gather_with_one_replica_of_native_numbers(name):
     prop()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: gather with one replica in the job returns the value untouched "
-                                       "(non-native byte order stays, string/object arrays are not refused), where "
-                                       "two replicas, or two ranks of one replica each, convert and refuse them")
+# Fixed in Strategy.gather (was a strict xfail found by this suite).
 @pytest.mark.parametrize("name", ["one_device", "mirrored_1cpu"])
 def test_gather_with_one_replica_converts_like_several(name):
     strategy = get_strategy(name)
@@ -539,9 +537,7 @@ def test_gather_with_one_replica_converts_like_several(name):
     prop()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: strategy.gather of a nest of PerReplica values (what "
-                                       "strategy.run returns for a nested result) raises TypeError 'cannot "
-                                       "convert PerReplica' with several replicas; strategy.reduce takes it")
+# Fixed in Strategy.gather (was a strict xfail found by this suite).
 @pytest.mark.parametrize("name", ["mirrored_3cpu"])
 def test_gather_of_a_nest_from_run(name):
     strategy = get_strategy(name)

@@ -629,13 +629,17 @@ class Strategy:
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's ``value`` along ``axis`` on the host (global replica order)."""
-        self._extended._require_cross_replica_or_default_context()
-        if not contains_distributed(value) and self._extended._num_workers == 1:
-            return value  # as TF: in one process a value that is not per replica is already "gathered"
-        comps = local_values(value, self._extended._num_local)
-        comps = tuple(_read(c) for c in comps)
-        return nest.map_structure(lambda *leaves: self._extended._gather_leaf(leaves, axis, None), *comps) \
-            if nest.is_nested(comps[0]) else self._extended._gather_leaf(comps, axis, None)
+        ext = self._extended
+        ext._require_cross_replica_or_default_context()
+        if not contains_distributed(value) and ext._num_workers == 1:
+            # As TF: in one process a value that is not per replica is already "gathered"; it is converted
+            # and checked as a gathered value is, so that a laptop refuses what the cluster would.
+            return nest.map_structure(lambda v: ext._gather_leaf((_read(v),), axis, None), value)
+        if nest.is_nested(value):  # a nest of per-replica values, as strategy.run returns for a nested result
+            comps = tuple(nest.map_structure(_read, c) for c in self.experimental_local_results(value))
+            return nest.map_structure(lambda *leaves: ext._gather_leaf(leaves, axis, None), *comps)
+        comps = tuple(_read(c) for c in local_values(value, ext._num_local))
+        return ext._gather_leaf(comps, axis, None)
 
     def experimental_local_results(self, value: Any) -> tuple:
         """This worker's per-replica values of ``value`` as a tuple.
