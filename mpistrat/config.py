@@ -36,7 +36,7 @@ REMOVED = {
 }
 # Read by the project's scripts and test fixtures, not by the library: known, never warned about.
 SCRIPT_VARIABLES = ("MPISTRAT_VENV", "MPISTRAT_SERIAL_TIMEOUT", "MPISTRAT_MPI_TIMEOUT", "MPISTRAT_SLURM_INSTALL_BUDGET",
-                    "MPISTRAT_TEST_NO_ABORT")
+                    "MPISTRAT_TEST_NO_ABORT", "MPISTRAT_MPI", "MPISTRAT_TEST_SET", "MPISTRAT_TEST_OPENMPI")
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)i?b?\s*$", re.IGNORECASE)
 _TRUE = frozenset(("1", "true", "yes", "on"))

@@ -45,7 +45,7 @@ def mpiexec() -> str:
 def clean_env(**extra: str) -> dict:
     """This environment without an outer MPI launcher's or Slurm's variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_", "SLURM_"))}
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_", "SLURM_")) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

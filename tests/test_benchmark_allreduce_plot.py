@@ -26,7 +26,7 @@ def _mpiexec() -> str:
 
 
 def _run(ranks: int, *args: str, timeout: int = 90) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_")) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
     cmd = ["timeout", "-k", "10", str(timeout), _mpiexec(), "-n", str(ranks), sys.executable, *args]
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout + 30, env=env,
                           stdin=subprocess.DEVNULL, cwd=REPO)

@@ -16,7 +16,7 @@ BOUND_SECONDS = 30
 
 
 def _clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_", "OMPI_")) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
     env.update(extra)
     return env
 

@@ -17,7 +17,7 @@ from mpistrat.tools.info import collect, format_table, mpi_cuda_support
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_"))}
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_")) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.update(extra)
     return env

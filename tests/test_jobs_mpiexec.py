@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(150)
 def test_mpiexec_launcher_runs_training(tmp_path):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_"))}
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_")) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
     env.update(NP="2", EPOCHS="2", DATA_DIR=str(tmp_path / "data"), CKPT_DIR=str(tmp_path / "ck"),
                MPISTRAT_VENV=str(Path(sys.executable).parents[1]))
     result = subprocess.run(["bash", str(REPO / "jobs" / "mpiexec_one_node.sh"), "--no-progress", "--seed", "1"],
@@ -35,7 +35,7 @@ def test_mpiexec_launcher_runs_training(tmp_path):
 def test_main_job_script_on_a_terminal_shows_the_bar_and_epoch_lines(tmp_path):
     """``bash scripts/main_job.sh`` (the README's main command) with its stderr on a terminal."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_"))}
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_")) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
     env["MPISTRAT_VENV"] = str(Path(sys.executable).parents[1])
     code, out, terminal = run_on_terminal(["bash", str(REPO / "scripts" / "main_job.sh"), "--epochs", "2",
                                            "--data-dir", str(tmp_path / "data")], env, timeout=120)

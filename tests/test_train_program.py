@@ -26,7 +26,7 @@ MODEL_PREFIX = "model/"
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_"))}
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "SLURM_")) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
