@@ -189,6 +189,8 @@ VARIABLES: tuple[Variable, ...] = (
              "record a Chrome-trace timeline of every rank to this path (read at import)"),
     Variable("MPISTRAT_NO_ABORT_HOOK", "no_abort_hook", parse_bool, False,
              "do not install the hook that aborts the job on an uncaught exception"),
+    Variable("MPISTRAT_PRINT_RANKS", "print_ranks", parse_bool, False,
+             "rank 0 prints a rank -> host/PID table when a MultiWorkerMirroredStrategy starts"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -211,6 +213,7 @@ class Settings:
     check_numerics: bool
     timeline: str | None
     no_abort_hook: bool
+    print_ranks: bool
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 

@@ -30,6 +30,7 @@ _NAMES = {
     "release_dropped": "mpistrat.comm.runtime.lifetime",
     "install_abort_on_exception": "mpistrat.comm.runtime.abort",
     "abort_world": "mpistrat.comm.runtime.abort",
+    "record_ranks": "mpistrat.comm.runtime.abort",
     "mpi_cuda_support": "mpistrat.comm.transport.cuda",
     "loaded_mpi_library": "mpistrat.comm.transport.cuda",
 }

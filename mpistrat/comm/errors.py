@@ -43,10 +43,12 @@ class CollectiveTimeoutError(CollectiveError):
     the ranks that gave up then).
     """
 
-    def __init__(self, message: str, missing_ranks: Sequence[int] = (), abandoned_by: Sequence[int] = ()) -> None:
+    def __init__(self, message: str, missing_ranks: Sequence[int] = (), abandoned_by: Sequence[int] = (),
+                 collective: str = "") -> None:
         super().__init__(message)
         self.missing_ranks = list(missing_ranks)
         self.abandoned_by = list(abandoned_by)
+        self.collective = collective
 
 
 class CommunicatorBrokenError(CollectiveError):
@@ -54,11 +56,15 @@ class CommunicatorBrokenError(CollectiveError):
 
 
 class PeerExitedError(CollectiveError):
-    """A collective can never complete: ``exited_ranks`` ended their programs without joining it."""
+    """A collective can never complete: ``exited_ranks`` ended their programs without joining it.
 
-    def __init__(self, message: str, exited_ranks: Sequence[int] = ()) -> None:
+    ``collective`` names the collective (``"#3 (allreduce(op=sum) [(4,), float64])"``).
+    """
+
+    def __init__(self, message: str, exited_ranks: Sequence[int] = (), collective: str = "") -> None:
         super().__init__(message)
         self.exited_ranks = list(exited_ranks)
+        self.collective = collective
 
 
 def allgather_checked(comm: Any, value: Any, error: BaseException | None, what: str) -> list:

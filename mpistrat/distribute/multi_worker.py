@@ -35,7 +35,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         from mpi4py import MPI  # noqa: PLC0415
 
         from mpistrat.cluster.resolvers import default_cluster_resolver  # noqa: PLC0415
-        from mpistrat.comm import CommunicationOptions, RankCommunicator, install_abort_on_exception  # noqa: PLC0415
+        from mpistrat.comm import (  # noqa: PLC0415
+            CommunicationOptions,
+            RankCommunicator,
+            install_abort_on_exception,
+            record_ranks,
+        )
 
         resolver = cluster_resolver if cluster_resolver is not None else default_cluster_resolver()
         comm = getattr(resolver, "comm", None) or MPI.COMM_WORLD
@@ -52,6 +57,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._cluster_resolver = resolver
         communicator = RankCommunicator(comm, options)  # checks every rank's settings, on every rank
         logs.set_rank(comm.Get_rank(), comm.Get_size())  # mpistrat's log records name this rank
+        record_ranks(comm)  # host and PID of every rank: MPISTRAT_PRINT_RANKS=1 prints them; named if one goes missing
         if comm.Get_size() > 1:
             install_abort_on_exception()
         super().__init__(StrategyExtended(

@@ -434,7 +434,8 @@ class AgreementGuard:
         if silent:
             parts.append(
                 f"{format_ranks(silent)} did not answer: busy outside mpistrat collectives "
-                "(computing, blocked in another MPI call) or dead"
+                "(computing, blocked in another MPI call) or dead (killed, or ended through os._exit, which tells no "
+                "peer)"
             )
         parts.extend(elsewhere)
         parts.append(f"present (waiting or timed out too): {format_ranks(present)}")
@@ -444,7 +445,8 @@ class AgreementGuard:
         self._channel.flush(self._grace)
         self.broken = f"a collective of this communicator timed out earlier ({message})"
         self.abandoned_seq = self.seq
-        raise CollectiveTimeoutError(message, missing_ranks=missing)
+        raise CollectiveTimeoutError(message, missing_ranks=missing,
+                                     collective=f"#{self.seq} ({describe_call(key)})")
 
     def _peer_exited(self, key: CallKey) -> None:
         """Raise if a peer exited before joining the collective we wait in.
@@ -471,7 +473,7 @@ class AgreementGuard:
             "A distributed dataset ends on every rank at the same step."
         )
         self.broken = f"a peer of this communicator has exited ({message})"
-        raise PeerExitedError(message, exited_ranks=gone)
+        raise PeerExitedError(message, exited_ranks=gone, collective=f"#{self.seq} ({describe_call(key)})")
 
     def _announce_exit(self, how: str) -> None:
         """Tell every peer that this process is exiting after ``self.seq`` checks."""

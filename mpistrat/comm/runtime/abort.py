@@ -7,6 +7,7 @@ script with them); :func:`abort_world` ends the job.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -21,12 +22,35 @@ from mpistrat import config, timeline
 __all__ = [
     "install_abort_on_exception",
     "abort_world",
+    "record_ranks",
     "unlink_mpi_shared_memory_files",
 ]
 
 
 _HOOK_LOCK = threading.Lock()
 _HOOK_INSTALLED = False
+_RANK_TABLE: list[tuple[str, int]] = []  # (host, PID) by rank of the last strategy's communicator
+
+
+def record_ranks(comm: Any) -> list[tuple[str, int]]:
+    """Collective over ``comm``: every rank's ``(host, PID)``, in rank order, kept for the missing-peer summary.
+
+    With ``MPISTRAT_PRINT_RANKS=1`` rank 0 prints the table (one line per rank), so a user can tell which
+    process a launcher's "PID 1234 ... EXIT CODE: 9" was. Always gathered (one small all-gather at start-up),
+    so a setting that differs between ranks cannot leave some of them waiting.
+    """
+    table = [tuple(row) for row in comm.allgather((socket.gethostname(), os.getpid()))]
+    _RANK_TABLE[:] = table
+    try:
+        show = config.get("print_ranks")
+    except ValueError as exc:
+        warnings.warn(f"{exc}; not printing the rank table", RuntimeWarning, stacklevel=2)
+        show = False
+    if show and comm.Get_rank() == 0:
+        rows = "".join(f"[mpistrat] rank {r}: host {host} PID {pid}\n" for r, (host, pid) in enumerate(table))
+        sys.stdout.write(f"[mpistrat] {len(table)} ranks:\n{rows}")
+        sys.stdout.flush()
+    return table
 
 
 def _world_rank_size() -> tuple[int, int]:
@@ -35,19 +59,62 @@ def _world_rank_size() -> tuple[int, int]:
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
+def _rank_name(rank: int) -> str:
+    if 0 <= rank < len(_RANK_TABLE):
+        host, pid = _RANK_TABLE[rank]
+        return f"rank {rank} (host {host}, PID {pid})"
+    return f"rank {rank}"
+
+
+def _missing_peers(exc: BaseException | None) -> tuple[list[int], str, int, int | None]:
+    """``(gone, how, this rank, lowest surviving rank)`` for a missing-peer error; ``gone`` empty otherwise."""
+    gone = list(getattr(exc, "exited_ranks", None) or ())
+    how = "exited without joining"
+    if not gone:
+        gone, how = list(getattr(exc, "missing_ranks", None) or ()), "never arrived at"
+    me = (socket.gethostname(), os.getpid())
+    if me in _RANK_TABLE:
+        rank, size = _RANK_TABLE.index(me), len(_RANK_TABLE)
+    else:
+        rank, size = _world_rank_size()
+    survivors = [r for r in range(size) if r not in gone]
+    return gone, how, rank, (survivors[0] if survivors else None)
+
+
+def missing_peer_summary(exc: BaseException | None) -> str | None:
+    """The one-line summary of a missing peer, on the lowest surviving rank only; None elsewhere or for other errors.
+
+    For a :class:`~mpistrat.comm.errors.PeerExitedError` (``exited_ranks``) or a
+    :class:`~mpistrat.comm.errors.CollectiveTimeoutError` with ``missing_ranks``; ranks are those of the
+    strategy's communicator (:func:`record_ranks`).
+    """
+    gone, how, rank, lowest = _missing_peers(exc)
+    if not gone or rank != lowest:
+        return None
+    collective = getattr(exc, "collective", "") or "(unknown)"
+    names = ", ".join(_rank_name(r) for r in sorted(gone))
+    return (f"[mpistrat] job summary from rank {rank}, the lowest surviving: {names} {how} collective {collective} "
+            f"({type(exc).__name__}); ending the job with exit code 1")
+
+
 def _report_and_abort(exc_type: type, exc: BaseException | None, tb: Any, where: str = "") -> bool:
     """Print the traceback with a rank prefix and abort; False when size 1."""
     rank, size = _world_rank_size()
     if size <= 1:
         return False
     lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
+    gone, _, me, lowest = _missing_peers(exc)
+    if gone and lowest is not None and me != lowest:  # one traceback (the lowest survivor's) is enough
+        lines = [*traceback.format_exception_only(exc_type, exc)[-1].rstrip("\n").split("\n"),
+                 f"(traceback and summary on rank {lowest})"]
     prefix = f"[rank {rank}] "
     head = f"{prefix}Uncaught exception{where}; aborting all {size} ranks (MPI_Abort).\n"
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - stdout may be closed
         pass
-    sys.stderr.write(head + "".join(prefix + line + "\n" for line in lines))
+    summary = missing_peer_summary(exc)
+    sys.stderr.write(head + "".join(prefix + line + "\n" for line in lines) + (summary + "\n" if summary else ""))
     sys.stderr.flush()
     abort_world(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
     return True
