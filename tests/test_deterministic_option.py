@@ -294,3 +294,22 @@ if __name__ == "__main__":
     sys.stdout.write(f"OK rank {MPI.COMM_WORLD.rank} of {MPI.COMM_WORLD.size}, pretend nodes "
                      f"{os.environ.get('MPISTRAT_PRETEND_NODES')}: deterministic = reference bits; default "
                      f"{'differs from' if differs else 'equals'} the one-process order\n")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_empty_or_uneven_calls_raise_on_every_rank_instead_of_waiting_or_differing():
+    # Found in review: a rank with nothing to reduce returned at once while its peers waited until the
+    # timeout; ranks with different local replica counts scaled by different n and got different sums.
+    from mpi4py import MPI
+
+    from mpistrat.comm import CollectiveMismatchError, RankCommunicator
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    x = np.array([1.0, 0.1])
+    with RankCommunicator(MPI.COMM_WORLD) as comm:
+        with pytest.raises(CollectiveMismatchError):
+            comm.deterministic_sum([[]] if rank == 0 else [[x]])
+        with pytest.raises(CollectiveMismatchError, match="deterministic"):
+            comm.deterministic_sum([[x]] if rank == 0 else [[x], [x]])
+        (out,) = comm.deterministic_sum([[x], [x]])  # the communicator is still usable
+        assert out.tolist() == (2 * comm.size * x).tolist()

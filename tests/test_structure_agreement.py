@@ -67,3 +67,20 @@ def test_local_replicas_with_different_structures_raise():
 
     with pytest.raises(ValueError, match="different structures"):
         strategy.run(step)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("empty", [{}, [], ()])
+def test_a_rank_reducing_an_empty_nest_raises_with_its_peers(comm, empty):
+    # Found in review: the empty nest returned at once on its rank while the peers waited until the timeout.
+    strategy = ms.MultiWorkerMirroredStrategy()
+    value = empty if comm.rank == 0 else {"a": np.ones(2)}
+    for call in ("all_reduce", "async"):
+        with pytest.raises(CollectiveMismatchError):
+            if call == "all_reduce":
+                strategy.run(lambda: ms.get_replica_context().all_reduce("SUM", value))
+            else:
+                strategy.run(lambda: ms.get_replica_context().experimental_all_reduce_async("SUM", value).result())
+    everywhere = strategy.run(lambda: ms.get_replica_context().all_reduce("SUM", empty))
+    assert everywhere == empty
+    _good_after(strategy, comm)

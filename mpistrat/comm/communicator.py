@@ -315,13 +315,15 @@ class RankCommunicator:
         if error is not None:
             self._agree(("allreduce", _op_params(opname, None, structure, "sum"), sig), timeout, error=error)
             raise error  # one rank: the agreement had no one to tell
-        if not first:
+        local = len(per_replica)
+        if not first:  # nothing to reduce: still checked, so a rank reducing arrays meets a mismatch, not a wait
+            self._allreduce([], "sum", options, True, divisor, structure, phase=f"exponents x{local}")
             return []
-        n = len(per_replica) * self.size
+        n = local * self.size  # the scheme's bits depend on n: the key carries the local count (equal on all)
 
         def reduce(arrays: list, wire: str, phase: str) -> list:  # the arrays are reproducible_sum's own
             return self._allreduce(arrays, wire, options, True, divisor if wire == "sum" else None, structure,
-                                   phase=phase)
+                                   phase=f"{phase} x{local}")
 
         return reproducible_sum(per_replica, n, reduce)
 

@@ -182,6 +182,7 @@ class CrossDeviceOps:
         num_local = len(per_replica_leaves)
         num_leaves = len(per_replica_leaves[0]) if num_local else 0
         if num_leaves == 0:
+            self._join_empty(reduce_op, num_local, options, structure)
             return [[] for _ in range(num_local)]
         try:
             per_replica_leaves = [arrays.as_arrays(leaves, what="all_reduce") for leaves in per_replica_leaves]
@@ -191,6 +192,14 @@ class CrossDeviceOps:
         if num_local == 1:
             return [list(reduced)]
         return self._spread(reduced, devices)
+
+    def _join_empty(self, reduce_op: "ReduceOp | str", num_local: int, options: Any, structure: str | None) -> None:
+        """Take part in the ranks' agreement with nothing to reduce (an empty nest): a rank reducing arrays
+        meanwhile raises a mismatch on every rank, instead of waiting for this one."""
+        comm = self._communicator
+        if comm is not None and comm.size > 1:
+            op = ReduceOp.from_string(reduce_op)
+            comm.allreduce([], op.wire, options, divisor=self._divisor(op, max(num_local, 1)), structure=structure)
 
     def _all_reduce_alone(self, reduce_op: ReduceOp, leaves: list, devices: Sequence[str], options: Any = None,
                           structure: str | None = None) -> list:
@@ -229,6 +238,7 @@ class CrossDeviceOps:
         """
         num_local = len(per_replica_leaves)
         if num_local == 0 or not per_replica_leaves[0]:
+            self._join_empty(reduce_op, num_local, options, structure)
             return InFlightReduction(None, [], lambda _: [[] for _ in range(num_local)])
         op = ReduceOp.from_string(reduce_op)
         if self._deterministic(op, options):  # run now (after the reductions started before it)
