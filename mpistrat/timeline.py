@@ -1,7 +1,8 @@
 """A Chrome-trace timeline of what each rank did (view in Perfetto or chrome://tracing).
 
-Start it with ``MPISTRAT_TIMELINE=path`` in the environment (it starts when mpistrat is imported) or
-:func:`start`. Each rank streams its events as they happen to ``path.rank<R>.jsonl``, one JSON event
+Start it with ``MPISTRAT_TIMELINE=path`` in the environment (it starts when the program makes its first
+strategy or communicator: :func:`start_from_environment`; the ``python -m mpistrat`` tools never start
+it) or :func:`start`. Each rank streams its events as they happen to ``path.rank<R>.jsonl``, one JSON event
 per line, through a bounded buffer flushed when it fills, every :data:`FLUSH_SECONDS` by a timer, at
 :func:`stop` and on the abort path (:func:`flush`), so a job that is killed leaves every rank's events
 up to about a second before the kill. :func:`stop` (also at exit) merges the ranks' files into
@@ -21,13 +22,14 @@ from typing import Any, Iterator
 
 from mpistrat import config
 
-__all__ = ["start", "stop", "flush", "enabled", "span", "record", "now_us", "merge_files", "read_events",
+__all__ = ["start", "start_from_environment", "stop", "flush", "enabled", "span", "record", "now_us", "merge_files", "read_events",
            "FLUSH_SECONDS", "BUFFER_EVENTS"]
 
 FLUSH_SECONDS = 1.0  # the timer's period: what a killed rank may lose
 BUFFER_EVENTS = 4096  # events held before a write, whatever the timer
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards the buffer (held only to append or swap it)
+_write_lock = threading.Lock()  # orders the writes to the file (held while encoding and writing)
 _events: list[dict] | None = None  # the buffer: events not yet written (None: not recording)
 _file: Any = None  # this rank's open .jsonl file
 _timer: threading.Event | None = None  # set to stop the flush timer
@@ -60,12 +62,14 @@ def record(name: str, category: str, start_us: float, duration_us: float, **args
     batch from a distributed iterator), ``stall`` (a stall inspector report,
     zero duration). README.md ("Reading the timeline") explains how to read it.
     """
-    events = _events
-    if events is None:
+    if _events is None:
         return
     event = {"name": name, "cat": category, "ph": "X", "ts": start_us, "dur": max(duration_us, 0.0),
              "pid": _rank, "tid": threading.get_ident() % 1_000_000, "args": args}
-    with _lock:
+    with _lock:  # the buffer read and appended under the lock: a flush may swap it at any time
+        events = _events
+        if events is None:
+            return
         events.append(event)
         full = len(events) >= BUFFER_EVENTS
     if full:
@@ -110,6 +114,7 @@ def start(path: str) -> None:
     flush()
     _timer = threading.Event()
     threading.Thread(target=_flush_every, args=(_timer,), name="mpistrat-timeline-flush", daemon=True).start()
+    atexit.register(stop)  # unregistered by stop(): a program that never calls stop() still merges
 
 
 def _flush_every(stopped: threading.Event) -> None:
@@ -120,11 +125,12 @@ def _flush_every(stopped: threading.Event) -> None:
 def flush() -> None:
     """Write the buffered events to this rank's file now (the timer, a full buffer, the abort path)."""
     global _events
-    with _lock:
-        events, out = _events, _file
-        if not events or out is None:
-            return
-        _events = []
+    with _write_lock:  # writes in the order the buffers were taken
+        with _lock:  # swap the buffer; recording goes on meanwhile
+            events, out = _events, _file
+            if not events or out is None:
+                return
+            _events = []
         try:
             out.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events))
             out.flush()
@@ -156,18 +162,20 @@ def stop(timeout: float = 30.0) -> str | None:
     global _events, _file, _timer
     if _events is None:
         return None
+    atexit.unregister(stop)
     if _timer is not None:
         _timer.set()
     flush()
-    with _lock:
+    with _write_lock, _lock:
         _events = None
         out, _file, _timer = _file, None, None
     if out is not None:
         out.close()
     path = _path
     assert path is not None
-    _, size, comm = _world()
-    all_here = _wait_all(comm, timeout) if comm is not None and size > 1 else True
+    size = _size  # the job's size when recording started (after the program's MPI.Finalize the world says 1)
+    _, _, comm = _world()
+    all_here = _wait_all(comm, timeout) if comm is not None and size > 1 else size == 1
     if _rank != 0:
         return None
     merge_files(path, [_rank_file(path, r) for r in range(size)], complete=all_here)
@@ -211,11 +219,11 @@ def merge_files(path: str, rank_files: list[str], complete: bool = True, remove:
     return document
 
 
-def _start_from_env() -> None:
-    path = config.get("timeline")
-    if path and not enabled():
-        start(path)
-        atexit.register(stop)
-
-
-_start_from_env()
+def start_from_environment() -> None:
+    """Start recording to ``MPISTRAT_TIMELINE`` if it is set and nothing records yet (strategies and
+    communicators call it when made; the ``python -m mpistrat`` tools do not, so ``timeline merge``
+    never overwrites the files a killed job left)."""
+    if _events is None:
+        path = config.get("timeline")
+        if path:
+            start(path)

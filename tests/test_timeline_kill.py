@@ -53,8 +53,10 @@ def test_a_killed_jobs_timeline_merges_with_every_ranks_events(tmp_path):
     assert not trace.exists()  # nobody merged: the job was killed
     files = sorted(str(p) for p in tmp_path.glob("trace.json.rank*.jsonl"))
     assert len(files) == 2, files
+    # In the job's own shell (MPISTRAT_TIMELINE still set): the tool must not start a timeline of its own,
+    # which would overwrite rank 0's file (found in review).
     merged = subprocess.run([sys.executable, "-m", "mpistrat", "timeline", "merge", *files, "-o", str(trace)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, env=env)
     assert merged.returncode == 0, merged.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     for rank in (0, 1):
@@ -72,3 +74,13 @@ def test_a_line_cut_short_by_a_kill_is_left_out(tmp_path):
     path = tmp_path / "t.json.rank0.jsonl"
     path.write_text('{"name":"a","ph":"X","pid":0}\n{"name":"b","ph":"X","pid":0}\n{"name":"c","ph"')
     assert [e["name"] for e in timeline.read_events(str(path))] == ["a", "b"]
+
+
+def test_a_timeline_started_by_hand_and_never_stopped_is_merged_at_exit(tmp_path):
+    path = tmp_path / "manual.json"
+    code = (f"from mpistrat import timeline\ntimeline.start({str(path)!r})\n"
+            "timeline.record('last_step', 'step', timeline.now_us(), 1.0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert [e["name"] for e in events if e.get("cat") == "step"] == ["last_step"]
+    assert not list(tmp_path.glob("manual.json.rank*"))  # merged and removed

@@ -129,6 +129,7 @@ class RankCommunicator:
 
     def __init__(self, comm: MPI.Comm | None = None, options: CommunicationOptions | None = None) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
+        timeline.start_from_environment()  # MPISTRAT_TIMELINE: recording starts with the first communicator
         if options is None:
             options = CommunicationOptions()
         if not isinstance(options, CommunicationOptions):

@@ -524,6 +524,7 @@ class Strategy:
 
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
+        timeline.start_from_environment()  # MPISTRAT_TIMELINE: recording starts with the program's first strategy
 
     def __deepcopy__(self, memo: dict) -> "Strategy":
         """A new strategy of the same kind, devices and settings, whose ``extended`` is its own and points back to
