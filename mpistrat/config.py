@@ -186,7 +186,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPISTRAT_CHECK_NUMERICS", "check_numerics", parse_bool, False,
              "check every reduction's inputs for NaN/Inf first"),
     Variable("MPISTRAT_TIMELINE", "timeline", _path, None,
-             "record a Chrome-trace timeline of every rank to this path (read at import)"),
+             "record a Chrome-trace timeline of every rank to this path (read at the first strategy or communicator)"),
     Variable("MPISTRAT_NO_ABORT_HOOK", "no_abort_hook", parse_bool, False,
              "do not install the hook that aborts the job on an uncaught exception"),
     Variable("MPISTRAT_PRINT_RANKS", "print_ranks", parse_bool, False,

@@ -102,21 +102,29 @@ def _report_and_abort(exc_type: type, exc: BaseException | None, tb: Any, where:
     rank, size = _world_rank_size()
     if size <= 1:
         return False
-    lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
-    gone, _, me, lowest = _missing_peers(exc)
-    if gone and lowest is not None and me != lowest:  # one traceback (the lowest survivor's) is enough
-        lines = [*traceback.format_exception_only(exc_type, exc)[-1].rstrip("\n").split("\n"),
-                 f"(traceback and summary on rank {lowest})"]
-    prefix = f"[rank {rank}] "
-    head = f"{prefix}Uncaught exception{where}; aborting all {size} ranks (MPI_Abort).\n"
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 - stdout may be closed
-        pass
-    summary = missing_peer_summary(exc)
-    sys.stderr.write(head + "".join(prefix + line + "\n" for line in lines) + (summary + "\n" if summary else ""))
-    sys.stderr.flush()
-    abort_world(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+    code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+    try:  # whatever goes wrong while reporting, the job still ends: a hook that raised would leave peers waiting
+        lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
+        gone, _, me, lowest = _missing_peers(exc)
+        if gone and lowest is not None and me != lowest:  # one traceback (the lowest survivor's) is enough
+            lines = [*traceback.format_exception_only(exc_type, exc)[-1].rstrip("\n").split("\n"),
+                     f"(traceback and summary on rank {lowest})"]
+        prefix = f"[rank {rank}] "
+        head = f"{prefix}Uncaught exception{where}; aborting all {size} ranks (MPI_Abort).\n"
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - stdout may be closed
+            pass
+        summary = missing_peer_summary(exc)
+        sys.stderr.write(head + "".join(prefix + line + "\n" for line in lines) + (summary + "\n" if summary else ""))
+        sys.stderr.flush()
+    except BaseException as report_error:  # noqa: BLE001
+        try:
+            sys.stderr.write(f"[rank {rank}] {exc_type.__name__}: {exc} (reporting it failed: {report_error!r}); "
+                             "aborting all ranks\n")
+        except BaseException:  # noqa: BLE001 - stderr gone too
+            pass
+    abort_world(code)
     return True
 
 
