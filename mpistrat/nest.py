@@ -32,10 +32,12 @@ def children(x: Any) -> list:
 
 
 def _sorted_keys(d: dict) -> list:
+    """A dict's keys in the order its values flatten: sorted, as TF's nest (which refuses unsortable keys:
+    sorting by repr would order objects by their memory address, differently on every rank)."""
     try:
         return sorted(d)
     except TypeError:
-        return sorted(d, key=repr)
+        raise TypeError(f"nest only supports dicts with sortable keys; got keys {list(d)!r}") from None
 
 
 _NESTED = (list, tuple, dict)

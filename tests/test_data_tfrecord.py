@@ -185,3 +185,7 @@ def test_crc32c_known_values():
     assert crcmod.crc32c(bytes(32)) == 0x8A9136AA
     assert crcmod.masked_crc32c(b"") == (((0 >> 15) | (0 << 17)) + 0xA282EAD8) & 0xFFFFFFFF
     assert crcmod.IMPLEMENTATION == "google-crc32c (c)"  # its C extension (hardware CRC) is what runs here
+
+
+def test_crc32c_takes_any_bytes_like_object():
+    assert crcmod.crc32c(bytearray(b"123456789")) == crcmod.crc32c(memoryview(b"123456789")) == 0xE3069283

@@ -84,3 +84,13 @@ def test_a_rank_reducing_an_empty_nest_raises_with_its_peers(comm, empty):
     everywhere = strategy.run(lambda: ms.get_replica_context().all_reduce("SUM", empty))
     assert everywhere == empty
     _good_after(strategy, comm)
+
+
+def test_dicts_with_unsortable_keys_are_refused_as_tf_does():
+    # Keys ordered by repr would order objects by memory address, differently on every rank (review).
+    class Layer:
+        pass
+
+    with pytest.raises(TypeError, match="sortable keys"):
+        ms.nest.flatten({Layer(): np.ones(1), Layer(): np.ones(1)})
+    assert ms.nest.flatten({"b": 2, "a": 1}) == [1, 2]

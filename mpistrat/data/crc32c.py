@@ -17,11 +17,11 @@ IMPLEMENTATION = f"google-crc32c ({google_crc32c.implementation})"
 
 
 def crc32c(data: bytes) -> int:
-    """CRC-32C of ``data``."""
-    return google_crc32c.value(data)
+    """CRC-32C of ``data`` (bytes, or any bytes-like object: the C extension takes only read-only ones)."""
+    return google_crc32c.value(data if type(data) is bytes else bytes(data))
 
 
 def masked_crc32c(data: bytes) -> int:
     """TFRecord's masked CRC-32C: ``((crc >> 15) | (crc << 17)) + 0xa282ead8`` (mod 2**32)."""
-    crc = google_crc32c.value(data)
+    crc = crc32c(data)
     return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF
