@@ -11,6 +11,7 @@ before its next work by another, so the host never waits for them.
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, NamedTuple, Sequence
 
@@ -26,6 +27,7 @@ from mpistrat.ops import WIRE_OPS, nccl_dtype
 __all__ = ["NcclTransport", "GpuSeat", "nccl_feasible", "local_seat"]
 
 _NO_DEVICE = -1  # local_seat without asking for a device: only whether NCCL is there
+CLOSE_WAIT_SECONDS = 10.0  # how long close() waits for NCCL's last reduction before aborting the communicator
 
 
 class GpuSeat(NamedTuple):
@@ -119,8 +121,17 @@ class NcclTransport(Transport):
         import cupy  # noqa: PLC0415
         from cupy.cuda import nccl  # noqa: PLC0415
 
-        uid = nccl.get_unique_id() if self.comm.Get_rank() == 0 else None
-        uid = self.comm.bcast(uid, root=0)
+        uid, error = None, None
+        if self.comm.Get_rank() == 0:
+            try:
+                uid = nccl.get_unique_id()
+            except Exception as exc:  # noqa: BLE001 - told to every rank below, so none waits in the init
+                error = f"{type(exc).__name__}: {exc}"
+        uid, error = self.comm.bcast((uid, error), root=0)
+        if error is not None:
+            raise RuntimeError(f"NCCL across ranks: rank 0 could not make the NCCL unique id ({error})")
+        # ncclCommInitRank is collective and blocking: a rank whose init fails (out of memory, a broken
+        # driver) leaves the others in theirs; NCCL has no timeout of its own here.
         with cupy.cuda.Device(device):
             self._nccl = nccl.NcclCommunicator(self.comm.Get_size(), uid, self.comm.Get_rank())
             self._stream = cupy.cuda.Stream(non_blocking=True)
@@ -154,7 +165,6 @@ class NcclTransport(Transport):
     def allreduce_array(self, src: Any, dst: Any, op: str, hook: AgreementHook) -> None:
         """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``, on NCCL's stream."""
         import cupy  # noqa: PLC0415
-        from cupy.cuda import nccl  # noqa: PLC0415
 
         out = _as_cupy(dst)
         hook.staged()  # every rank agreed (or raised) before anything below
@@ -164,8 +174,26 @@ class NcclTransport(Transport):
             self.fallback.allreduce_array(src, dst, op, NO_AGREEMENT)
             return
         send = out if src is MPI.IN_PLACE else _as_cupy(src)
-        producer = cupy.cuda.get_current_stream()
+        if int(out.device.id) != self._device:
+            # A bucket on another GPU than the communicator's: every rank still calls NCCL (a rank that
+            # refused here would leave its peers in ncclAllReduce), through a copy on the bound GPU.
+            with cupy.cuda.Device(self._device):
+                staged = cupy.array(send, copy=True)
+            self._reduce(staged, staged, op)
+            self._stream.synchronize()  # a rare path: the copy back runs on another device's stream
+            with cupy.cuda.Device(int(out.device.id)):
+                out[...] = staged
+            return
+        self._reduce(send, out, op)
+
+    def _reduce(self, send: Any, out: Any, op: str) -> None:
+        """ncclAllReduce of ``send`` into ``out`` (both on the bound GPU) on NCCL's stream, ordered by events
+        after the work of the calling thread's current stream and before its next work."""
+        import cupy  # noqa: PLC0415
+        from cupy.cuda import nccl  # noqa: PLC0415
+
         with cupy.cuda.Device(self._device):
+            producer = cupy.cuda.get_current_stream()
             self._stream.wait_event(producer.record())
             self._nccl.allReduce(send.data.ptr, out.data.ptr, out.size, getattr(nccl, nccl_dtype(out.dtype)),
                                  getattr(nccl, WIRE_OPS[op].nccl), self._stream.ptr)
@@ -174,8 +202,13 @@ class NcclTransport(Transport):
     def close(self) -> None:
         """Destroy the NCCL communicator, close the fallback, drop the buffers."""
         if self._nccl is not None:
-            self._stream.synchronize()
-            self._nccl.destroy()
+            deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+            while not self._stream.done and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if self._stream.done:
+                self._nccl.destroy()
+            else:  # a reduction that never finishes (a peer is gone): abort, never wait forever
+                self._nccl.abort()
             self._nccl = None
         self.fallback.close()
         self._buffers.clear()
