@@ -368,13 +368,13 @@ class CrossDeviceOps:
                                           structure=structure)
         return reproducible_sum(per_replica, len(per_replica))
 
-    def _fail_everywhere(self, error: Exception, options: Any) -> NoReturn:
-        """Raise ``error``, met in this rank's own stage (converting or reducing its replicas), on every rank:
-        the peers are in the all-reduce's agreement, and raising here alone would leave them waiting or pair
-        this rank's next collective with their current one."""
+    def _fail_everywhere(self, error: Exception, options: Any, collective: str = "allreduce") -> NoReturn:
+        """Raise ``error``, met on this rank before its ``collective`` (converting or checking its own values),
+        on every rank: the peers are in that collective's agreement, and raising here alone would leave them
+        waiting or pair this rank's next collective with their current one. The one place this is done."""
         comm = self._communicator
         if comm is not None and comm.size > 1:
-            comm.fail_collective("allreduce", error, options)
+            comm.fail_collective(collective, error, options)
         raise error
 
     def _reduce_locally(self, op: ReduceOp, per_replica: list[list], devices: Sequence[str]) -> tuple[list, bool]:

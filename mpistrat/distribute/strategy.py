@@ -375,14 +375,9 @@ class StrategyExtended:
         return self._cross_device_ops.broadcast(tensor, destinations)
 
     def _raise_everywhere(self, collective: str, error: Exception, options: Any = None) -> NoReturn:
-        """Raise ``error``, found on this rank before the ``collective`` its peers are calling, on every rank.
-
-        Raising alone would leave the peers waiting in that collective (or pair this rank's next
-        collective with theirs): the error goes through the collective's agreement instead.
-        """
-        if self._communicator is not None and self._num_workers > 1:
-            self._communicator.fail_collective(collective, error, options)
-        raise error
+        """Raise ``error``, found on this rank before the ``collective`` its peers are calling, on every rank
+        (``CrossDeviceOps._fail_everywhere``, bound to this strategy's communicator)."""
+        self._cross_device_ops._fail_everywhere(error, options, collective)
 
     def _gather_leaf(self, local_values_: Sequence[Any], axis: int, options: Any) -> Any:
         """Concatenate local replicas' values along ``axis`` and all-gather across ranks (on the host)."""
