@@ -20,7 +20,7 @@ from mpistrat.comm.transport.buffers import GrowableBuffers
 from mpistrat.devices import synchronize_producer
 from mpistrat.ops import mpi_op
 
-__all__ = ["DeviceMpiTransport", "PinnedStaging", "loaded_mpi_library", "mpi_cuda_support"]
+__all__ = ["DeviceBufferTransport", "DeviceMpiTransport", "PinnedStaging", "loaded_mpi_library", "mpi_cuda_support"]
 
 
 def loaded_mpi_library() -> str | None:
@@ -68,26 +68,12 @@ def mpi_cuda_support(settings: config.Settings | None = None) -> bool | None:
     return _query_library() if forced is None else forced
 
 
-class DeviceMpiTransport(Transport):
-    """CuPy buckets over MPI: CUDA-aware when ``cuda_aware``, else host-staged.
+class DeviceBufferTransport(Transport):
+    """A device transport whose buckets are packed into its own reusable CuPy buffers and reduced as one
+    array each (:meth:`allreduce_array`, which subclasses implement)."""
 
-    Host staging copies the bucket into a reusable pinned buffer, reduces it
-    there with ``Allreduce(IN_PLACE)`` and copies it back.
-    """
-
-    name = "device-mpi"
-
-    def __init__(self, comm: MPI.Comm, cuda_aware: bool) -> None:
-        self.comm = comm
-        self.cuda_aware = bool(cuda_aware)
-        self.label = "cuda-aware-mpi" if self.cuda_aware else "host-staged-mpi"
+    def __init__(self) -> None:
         self._buffers = GrowableBuffers(self._device_empty)
-        self._staging = PinnedStaging()
-
-    @classmethod
-    def create(cls, ctx: TransportContext) -> "DeviceMpiTransport":
-        """The transport-table factory."""
-        return cls(ctx.comm, bool(mpi_cuda_support(ctx.settings)))
 
     @staticmethod
     def _device_empty(count: int, dtype: np.dtype) -> Any:
@@ -95,12 +81,8 @@ class DeviceMpiTransport(Transport):
 
         return cupy.empty(count, dtype=dtype)
 
-    def enabled(self, nbytes: int, dtype: np.dtype, op: str) -> bool:
-        """Always (the device fallback)."""
-        return True
-
     def pack_buffer(self, count: int, dtype: np.dtype) -> Any:
-        """This dtype's reusable device buffer, ``count`` items."""
+        """This dtype's reusable device buffer, ``count`` items, on the current device."""
         return self._buffers.get(count, dtype)
 
     def allreduce_packed(self, count: int, dtype: np.dtype, op: str, hook: AgreementHook, out: Any = None) -> Any:
@@ -111,6 +93,32 @@ class DeviceMpiTransport(Transport):
             return buf
         self.allreduce_array(buf, out, op, hook)
         return out
+
+
+class DeviceMpiTransport(DeviceBufferTransport):
+    """CuPy buckets over MPI: CUDA-aware when ``cuda_aware``, else host-staged.
+
+    Host staging copies the bucket into a reusable pinned buffer, reduces it
+    there with ``Allreduce(IN_PLACE)`` and copies it back.
+    """
+
+    name = "device-mpi"
+
+    def __init__(self, comm: MPI.Comm, cuda_aware: bool) -> None:
+        super().__init__()
+        self.comm = comm
+        self.cuda_aware = bool(cuda_aware)
+        self.label = "cuda-aware-mpi" if self.cuda_aware else "host-staged-mpi"
+        self._staging = PinnedStaging()
+
+    @classmethod
+    def create(cls, ctx: TransportContext) -> "DeviceMpiTransport":
+        """The transport-table factory."""
+        return cls(ctx.comm, bool(mpi_cuda_support(ctx.settings)))
+
+    def enabled(self, nbytes: int, dtype: np.dtype, op: str) -> bool:
+        """Always (the device fallback)."""
+        return True
 
     def allreduce_array(self, src: Any, dst: Any, op: str, hook: AgreementHook) -> None:
         """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``."""

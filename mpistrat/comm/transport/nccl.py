@@ -20,8 +20,7 @@ from mpi4py import MPI
 
 from mpistrat.comm.options import CommunicationImplementation
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
-from mpistrat.comm.transport.buffers import GrowableBuffers
-from mpistrat.comm.transport.cuda import DeviceMpiTransport
+from mpistrat.comm.transport.cuda import DeviceBufferTransport, DeviceMpiTransport
 from mpistrat.ops import WIRE_OPS, nccl_dtype
 
 __all__ = ["NcclTransport", "GpuSeat", "nccl_feasible", "local_seat"]
@@ -75,7 +74,7 @@ def nccl_feasible(seats: Sequence[GpuSeat]) -> tuple[bool, str]:
     return True, ""
 
 
-class NcclTransport(Transport):
+class NcclTransport(DeviceBufferTransport):
     """CuPy buckets (and other ``__cuda_array_interface__`` buffers) all-reduced with NCCL.
 
     Takes the dtypes NCCL has (:func:`mpistrat.ops.nccl_dtype`); other buckets fall to the device MPI
@@ -87,6 +86,7 @@ class NcclTransport(Transport):
     name = "nccl"
 
     def __init__(self, comm: MPI.Comm, fallback: Transport, warn: bool = False) -> None:
+        super().__init__()
         self.comm = comm
         self.host = MPI.Get_processor_name()
         self.fallback = fallback
@@ -96,7 +96,6 @@ class NcclTransport(Transport):
         self._nccl: Any = None  # cupy.cuda.nccl.NcclCommunicator
         self._device: int | None = None
         self._stream: Any = None
-        self._buffers = GrowableBuffers(self._device_empty)
 
     @classmethod
     def create(cls, ctx: TransportContext) -> "NcclTransport | None":
@@ -138,29 +137,10 @@ class NcclTransport(Transport):
         self._device = device
         self.label = f"nccl on GPU {device}"
 
-    @staticmethod
-    def _device_empty(count: int, dtype: np.dtype) -> Any:
-        import cupy  # noqa: PLC0415
-
-        return cupy.empty(count, dtype=dtype)
-
     # -- the contract --------------------------------------------------------------------------
     def enabled(self, nbytes: int, dtype: np.dtype, op: str) -> bool:
         """Buckets of a dtype NCCL has, with an op NCCL has."""
         return nccl_dtype(dtype) is not None and op in WIRE_OPS
-
-    def pack_buffer(self, count: int, dtype: np.dtype) -> Any:
-        """This dtype's reusable device buffer, ``count`` items, on the current device."""
-        return self._buffers.get(count, dtype)
-
-    def allreduce_packed(self, count: int, dtype: np.dtype, op: str, hook: AgreementHook, out: Any = None) -> Any:
-        """Reduce the packed buffer into ``out``, or in place (then the buffer is returned)."""
-        buf = self._buffers.get(count, dtype)
-        if out is None:
-            self.allreduce_array(MPI.IN_PLACE, buf, op, hook)
-            return buf
-        self.allreduce_array(buf, out, op, hook)
-        return out
 
     def allreduce_array(self, src: Any, dst: Any, op: str, hook: AgreementHook) -> None:
         """Reduce a contiguous device array (``src`` may be ``MPI.IN_PLACE``) into ``dst``, on NCCL's stream."""
