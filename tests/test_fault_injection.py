@@ -25,7 +25,9 @@ LIMIT_SECONDS = 90.0  # the whole job, start-up included
 CASES = {
     "raise": ({}, r"\[rank <F>\] Uncaught exception; aborting all <N> ranks \(MPI_Abort\)\.\n(.|\n)*"
                   r"\[rank <F>\] RuntimeError: injected fault in step 3 on rank <F>\n"),
-    "sigkill": ({}, r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES(.|\n)*EXIT STRING: Killed \(signal 9\)"),
+    # The launcher reports the kill: MPICH's Hydra, or Open MPI's prterun.
+    "sigkill": ({}, r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES(.|\n)*EXIT STRING: Killed \(signal 9\)"
+                    r"|process rank <F> with PID \d+ on node \S+ exited on\s+signal 9 \(Killed\)"),
     "exit": ({}, r"PeerExitedError: Collective #\d+ \(allreduce\(op=sum[^)]*\) \[.*\]\) can never complete on rank \d+: "
                  r"rank <F> exited without joining it \(rank <F> ended its program \(returned or called sys\.exit\)"),
     "shapes": ({}, r"CollectiveMismatchError: Mismatched allreduce shapes in collective #\d+: (rank 0|ranks 0, [\d, ]+) "
