@@ -232,8 +232,8 @@ def test_ranks_outnumber_cores_counts_the_cores_of_all_ranks(tmp_path, binding):
     cores = len(os.sched_getaffinity(0))
     for ranks, expected in ((min(cores, 4), False), (cores + 1, True)):
         if binding == "core" and ranks > cores:
-            continue  # hydra refuses to bind more ranks than cores
-        out = subprocess.run([mpiexec(), "-bind-to", binding, "-n", str(ranks), sys.executable, str(script)],
+            continue  # the launchers refuse to bind more ranks than cores
+        out = subprocess.run([mpiexec(), "--bind-to", binding, "-n", str(ranks), sys.executable, str(script)],
                              capture_output=True, text=True, timeout=60, env=clean_env())
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.split() == [f"outnumber={expected}"] * ranks, (ranks, out.stdout)
