@@ -30,6 +30,8 @@ __all__ = [
     "is_cupy_array",
     "is_device_buffer",
     "synchronize_producer",
+    "default_local_devices",
+    "device_list",
 ]
 
 _DEVICE_TYPES = {"CPU": "CPU", "GPU": "GPU"}
@@ -141,6 +143,22 @@ def is_gpu(device: "str | DeviceSpec") -> bool:
 def device_index(device: "str | DeviceSpec") -> int:
     """The device's index (K in ``/gpu:K``)."""
     return parse_device(device).device_index
+
+
+def default_local_devices() -> list[str]:
+    """Every GPU CuPy sees, else one CPU device (what a strategy replicates on when not told)."""
+    n = num_gpus()
+    return [f"/gpu:{i}" for i in range(n)] if n else ["/cpu:0"]
+
+
+def device_list(devices: Any, what: str) -> list[str]:
+    """``devices`` as a non-empty list (ValueError naming the argument ``what`` for a string or nothing)."""
+    if isinstance(devices, str):
+        raise ValueError(f"`{what}` must be a list of device strings, got the string {devices!r}")
+    devices = list(devices)
+    if not devices:
+        raise ValueError(f"`{what}` must not be empty")
+    return devices
 
 
 def host_device(task: int = 0, job: str = "localhost") -> str:

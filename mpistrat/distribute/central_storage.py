@@ -35,11 +35,6 @@ _AGGREGATION_ERROR = (
     "{variable_type} using `tf.distribute.StrategyExtended.update()`.")
 
 
-def _default_compute_devices() -> list[str]:
-    n = dev.num_gpus()
-    return [f"/gpu:{i}" for i in range(n)] if n else ["/cpu:0"]
-
-
 class AggregatingVariable(BaseVariable):
     """One variable on the parameter device whose replica updates are aggregated first (TF's ps_values one).
 
@@ -283,13 +278,8 @@ class CentralStorageStrategy(Strategy):
     """
 
     def __init__(self, compute_devices: Sequence[str] | None = None, parameter_device: str | None = None):
-        if compute_devices is None:
-            compute_devices = _default_compute_devices()
-        if isinstance(compute_devices, str):
-            raise ValueError(f"`compute_devices` must be a list of device strings, got the string {compute_devices!r}")
-        compute_devices = list(compute_devices)
-        if not compute_devices:
-            raise ValueError("`compute_devices` must not be empty")
+        compute_devices = dev.device_list(
+            dev.default_local_devices() if compute_devices is None else compute_devices, "compute_devices")
         if parameter_device is None:
             parameter_device = compute_devices[0] if len(compute_devices) == 1 else _LOCAL_CPU
         super().__init__(_CentralStorageExtended(self, compute_devices, parameter_device))
