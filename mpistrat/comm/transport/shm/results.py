@@ -24,7 +24,7 @@ _SIZES_MAX = 16  # sizes (count, dtype) given shared blocks, per transport
 # Largest array given shared blocks: shared memory has 4 KiB pages (no transparent huge pages for
 # shmem) while NumPy's large private arrays get huge pages, so above this, writing into every rank's
 # block costs more page walks than the saved copy (benchmarks/README.md, "shared result blocks").
-MAX_BYTES = 4 << 20
+MAX_BYTES = 16 << 20
 
 
 def _references(blocks: list[np.ndarray]) -> list[int]:
