@@ -19,6 +19,13 @@ def test_plan_groups_by_dtype_and_respects_pack_bytes():
         plan_buckets(entries, 0)
 
 
+def test_arrays_of_at_least_alone_bytes_get_buckets_of_their_own():
+    entries = [((4,), "f4"), ((300,), "f4"), ((2,), "f4"), ((256,), "f4"), ((3,), "f8"), ((400,), "f8"), ((1,), "f4")]
+    buckets = plan_buckets(entries, pack_bytes=1 << 20, alone_bytes=1024)  # 256 float32 = 1024 bytes: alone
+    assert [b.members for b in buckets] == [(1,), (3,), (0, 2, 6), (5,), (4,)]
+    assert plan_buckets(entries, 1 << 20, None)[0].members == (0, 1, 2, 3, 6)  # no limit: all packed
+
+
 def test_pack_lays_out_every_array_in_order():
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in [(3, 2), (5,), (), (2, 1, 2)]]

@@ -189,3 +189,23 @@ def test_it_never_exceeds_the_window_limit_and_gives_the_window_bits(comm, monke
         assert isinstance(window.transports[0], ShmTransport)
         assert np.array_equal(auto.allreduce([x], "sum")[0], window.allreduce([x], "sum")[0])
 
+
+
+@pytest.mark.mpi(min_size=2)
+def test_large_arrays_of_a_call_are_reduced_on_their_own_with_the_bits_of_one_packed_bucket(auto_rc, comm):
+    from mpistrat.comm.plan import UNFUSED_MIN_BYTES
+
+    big = UNFUSED_MIN_BYTES // 4
+    shapes = [(big + 8,), (7,), (3, 5), (big,), (1000,)]
+    arrays = [_data(s, "float32", comm.rank, seed=i) for i, s in enumerate(shapes)]
+    kept = [a.copy() for a in arrays]
+    out = auto_rc.allreduce(arrays, "sum")
+    plan = next(p for p in auto_rc._planner._plans.values() if len(p.steps) > 1)
+    assert [(s.members, s.direct) for s in plan.steps] == [((0,), True), ((3,), True), ((1, 2, 4), False)]
+    # the same values reduced as one array give the same bits: every path sums in local-rank order
+    flat = auto_rc.allreduce([np.concatenate([a.ravel() for a in arrays])], "sum")[0]
+    offsets = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+    for i, (r, s) in enumerate(zip(out, shapes)):
+        assert r.shape == s
+        np.testing.assert_array_equal(r.ravel(), flat[offsets[i]:offsets[i + 1]])
+        np.testing.assert_array_equal(arrays[i], kept[i])  # inputs untouched

@@ -32,12 +32,14 @@ class Bucket:
         return self.count * self.dtype.itemsize
 
 
-def plan_buckets(entries: Sequence[tuple[tuple[int, ...], Any]], pack_bytes: int) -> list[Bucket]:
+def plan_buckets(entries: Sequence[tuple[tuple[int, ...], Any]], pack_bytes: int,
+                 alone_bytes: int | None = None) -> list[Bucket]:
     """Buckets for arrays described by ``(shape, dtype)``, per dtype, ``pack_bytes`` at most.
 
     Groups the arrays by dtype (first-appearance order) and fills buckets of up to ``pack_bytes``
     greedily, keeping the arrays' order; an array larger than a bucket gets a bucket of its own (it is
-    never split). A plan is computed once per call signature and cached by the caller.
+    never split), and so does an array of at least ``alone_bytes`` (None: no such limit). A plan is
+    computed once per call signature and cached by the caller.
     """
     if pack_bytes <= 0:
         raise ValueError(f"pack_bytes must be positive, got {pack_bytes}")
@@ -52,6 +54,9 @@ def plan_buckets(entries: Sequence[tuple[tuple[int, ...], Any]], pack_bytes: int
         for i in indices:
             shape = tuple(entries[i][0])
             size = int(np.prod(shape, dtype=np.int64))
+            if alone_bytes is not None and size * dtype.itemsize >= alone_bytes:
+                buckets.append(_bucket(dtype, [i], [size], entries))
+                continue
             if members and (count + size) * dtype.itemsize > pack_bytes:
                 buckets.append(_bucket(dtype, members, sizes, entries))
                 members, sizes, count = [], [], 0

@@ -19,6 +19,11 @@ from mpistrat.ops import reduce_dtype_error
 __all__ = ["Step", "Plan", "Planner"]
 
 PLAN_CACHE_MAX = 512
+# A host array of at least this many bytes is reduced on its own, never packed with others: packing
+# copies all of it once more, while on its own the shared-memory path copies only the slices other
+# ranks sum and reads this rank's slice from the array itself (benchmarks/README.md, "unfused large
+# arrays"). A rule on sizes, the same on every rank: no timing decides which arrays are packed.
+UNFUSED_MIN_BYTES = 1 << 20
 
 
 class Step:
@@ -133,7 +138,8 @@ class Planner:
             else:
                 buckets = [
                     Bucket(b.dtype, b.count, tuple(index[m] for m in b.members), b.offsets, b.sizes, b.shapes)
-                    for b in plan_buckets([sig[i][:2] for i in index], pack_bytes)
+                    for b in plan_buckets([sig[i][:2] for i in index], pack_bytes,
+                                            UNFUSED_MIN_BYTES if kind == HOST else None)
                 ]
             transports = self._host if kind == HOST else self._device()
             xp = np if kind == HOST else sys.modules.get("cupy") if kind == CUPY else None
