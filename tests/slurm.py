@@ -286,6 +286,19 @@ PartitionName={self.partition} Nodes={self.hostname} Default=YES MaxTime=INFINIT
         cmd = ["srun", f"--ntasks={ntasks}", f"--mpi={mpi}", "--time=5", *options, *args]
         return self.run(cmd, timeout=timeout)
 
+    def mpi_plugin(self) -> str | None:
+        """The ``srun --mpi`` plugin that connects this interpreter's MPI to Slurm, or None: ``pmi2`` for
+        MPICH; Open MPI 5 needs ``pmix``, which this Slurm offers only where its PMIx library loads."""
+        if not hasattr(self, "_mpi_plugin"):
+            from mpi4py import MPI
+
+            plugin: str | None = "pmi2"
+            if "Open MPI" in MPI.Get_library_version():
+                ok = self.run(["srun", "--ntasks=1", "--mpi=pmix", "--time=1", "true"], timeout=60).returncode == 0
+                plugin = "pmix" if ok else None
+            self._mpi_plugin = plugin
+        return self._mpi_plugin
+
     def sbatch(self, script: str | Path, *options: str, timeout: float = 300) -> BatchResult:
         """Submit a batch script (a path, or the script's text) with ``--wait``."""
         path = Path(script) if not str(script).lstrip().startswith("#!") else None

@@ -227,10 +227,12 @@ def test_default_is_slurm_in_matching_step(no_slurm, monkeypatch):
     assert (r.task_type, r.task_id) == ("worker", 0)
 
 
-def test_default_is_mpi_when_step_size_differs(no_slurm, monkeypatch):
-    # e.g. mpiexec -n 4 inside a batch script or inside a 1-task srun
+def test_default_raises_for_a_world_of_one_inside_a_step_of_several_tasks(no_slurm, monkeypatch):
+    # srun -n 4 with an MPI not wired to Slurm: every task is alone. (mpiexec -n 2 inside a batch
+    # script, whose ranks are not the step's tasks, gives MPIClusterResolver: test_slurm_cluster.py.)
     _fake_step(monkeypatch, 0, 4)
-    assert isinstance(default_cluster_resolver(MPI.COMM_SELF), MPIClusterResolver)
+    with pytest.raises(RuntimeError, match="Slurm started 4 tasks in this step"):
+        default_cluster_resolver(MPI.COMM_SELF)
 
 
 def test_default_reports_broken_slurm_environment(no_slurm, monkeypatch):

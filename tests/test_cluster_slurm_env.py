@@ -221,3 +221,18 @@ def test_bad_jobs_argument(slurm_env):
         SlurmClusterResolver(jobs={"worker": "1"})
     with pytest.raises(ValueError, match="non-empty dict"):
         SlurmClusterResolver(jobs={})
+
+
+def test_a_process_alone_in_its_mpi_world_inside_a_step_of_several_tasks_is_an_error(slurm_env):
+    from mpistrat.cluster.resolvers import _singleton_in_step_error
+
+    assert _singleton_in_step_error(1, "MPICH Version: 5.0.2") is None  # no Slurm step
+    slurm_env(PROCID="1", STEP_NUM_TASKS="4", STEP_NODELIST="n[1-2]")
+    error = _singleton_in_step_error(1, "Open MPI v5.0.11, package: Open MPI\nmore")
+    assert isinstance(error, RuntimeError)
+    assert "Slurm started 4 tasks" in str(error) and "Open MPI v5.0.11, package: Open MPI" in str(error)
+    assert "srun --mpi=pmix" in str(error) and "mpirun" in str(error)
+    assert "srun --mpi=pmi2" in str(_singleton_in_step_error(1, "MPICH Version: 5.0.2"))
+    assert _singleton_in_step_error(4, "MPICH Version: 5.0.2") is None  # wired: the world is the step
+    slurm_env(STEP_NUM_TASKS="1")
+    assert _singleton_in_step_error(1, "MPICH Version: 5.0.2") is None  # a one-task step

@@ -524,14 +524,41 @@ class MPIClusterResolver(ClusterResolver):
 
 # --------------------------------------------------------------------------- choice
 
+def _singleton_in_step_error(world_size: int, mpi_library: str) -> RuntimeError | None:
+    """The error for a process alone in its MPI world inside a Slurm step of several tasks (the MPI did
+    not connect to Slurm's process manager, so every task would train alone), or None."""
+    if world_size != 1 or not in_slurm_step():
+        return None
+    try:
+        tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
+    except ValueError:
+        return None
+    if tasks <= 1:
+        return None
+    library = mpi_library.splitlines()[0].strip() if mpi_library else "this MPI"
+    hint = ("Open MPI 5 connects only through PMIx: run `srun --mpi=pmix` (`srun --mpi=list` shows whether this "
+            "Slurm has it) or start the ranks with `mpirun` inside the allocation"
+            if "Open MPI" in library else
+            "run `srun --mpi=pmi2` (MPICH, Intel MPI) or `srun --mpi=pmix`, as `srun --mpi=list` offers, or start "
+            "the ranks with `mpiexec` inside the allocation")
+    return RuntimeError(
+        f"Slurm started {tasks} tasks in this step (SLURM_STEP_NUM_TASKS), but MPI sees a world of 1 process: "
+        f"{library} did not connect to Slurm's process manager, so each task would run alone. {hint}. To run "
+        "independent one-process programs on purpose, pass cluster_resolver=MPIClusterResolver().")
+
+
 def default_cluster_resolver(comm: Any = None) -> ClusterResolver:
     """``SlurmClusterResolver`` inside a Slurm step whose tasks are exactly the
     ranks of ``comm`` (same count, ``SLURM_PROCID`` == rank), else
     ``MPIClusterResolver(comm)``. Collective over ``comm``; all ranks decide
-    alike, and an error building the Slurm resolver is raised on every rank."""
+    alike, and an error building the Slurm resolver is raised on every rank. A process
+    alone in its MPI world inside a Slurm step of several tasks raises (MPI not wired to Slurm)."""
     from mpi4py import MPI  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD if comm is None else comm
+    singleton_error = _singleton_in_step_error(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
+    if singleton_error is not None:
+        raise singleton_error
     matches = False
     if in_slurm_step():
         try:
