@@ -27,9 +27,19 @@ pytestmark = pytest.mark.slurm
 def job_env(slurm_cluster, monkeypatch, tmp_path):
     """Point the templates' parameters at this checkout and temporary data/checkpoint directories."""
     for key, value in {"MPISTRAT_REPO": str(REPO), "MPISTRAT_VENV": str(Path(sys.executable).parents[1]),
-                       "DATA_DIR": str(tmp_path / "data"), "CKPT_DIR": str(tmp_path / "ck"), "EPOCHS": "3"}.items():
+                       "DATA_DIR": str(tmp_path / "data"), "CKPT_DIR": str(tmp_path / "ck"), "EPOCHS": "3",
+                       "MPI_PLUGIN": slurm_cluster.mpi_plugin() or "pmi2"}.items():
         monkeypatch.setitem(slurm_cluster.env, key, value)
     return tmp_path
+
+
+def _unwired(slurm_cluster, result, ranks: int) -> bool:
+    """Where srun cannot wire this MPI (Open MPI 5 without Slurm's PMIx library), whether the job failed
+    with the error every task gives (no task trained alone); False where srun wires it."""
+    if slurm_cluster.mpi_plugin() is not None:
+        return False
+    assert result.returncode != 0 and f"Slurm started {ranks} tasks in this step" in result.output + result.stderr
+    return True
 
 
 def _check_run(result, ranks: int) -> float:
@@ -46,6 +56,8 @@ def _check_run(result, ranks: int) -> float:
 @pytest.mark.timeout(240)
 def test_cpu_one_node_template(slurm_cluster, job_env):
     result = slurm_cluster.sbatch(JOBS / "slurm_cpu_one_node.sbatch", timeout=200)
+    if _unwired(slurm_cluster, result, 4):
+        return
     assert _check_run(result, 4) > 0.9
     assert (job_env / "ck" / "ckpt-3.npz").is_file()
     again = slurm_cluster.sbatch(JOBS / "slurm_cpu_one_node.sbatch", timeout=200)  # a requeued job resumes
@@ -56,6 +68,8 @@ def test_cpu_one_node_template(slurm_cluster, job_env):
 def test_cpu_multi_node_template_on_one_node(slurm_cluster, job_env):
     result = slurm_cluster.sbatch(JOBS / "slurm_cpu_multi_node.sbatch", "--nodes=1", "--ntasks-per-node=2",
                                   timeout=200)
+    if _unwired(slurm_cluster, result, 2):
+        return
     assert _check_run(result, 2) > 0.9
 
 
