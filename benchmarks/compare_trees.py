@@ -35,7 +35,7 @@ def run_once(tree: str, ranks: int, extra: list[str], mpiexec: str) -> dict[str,
     """``{"<size> <column>": (ratio to raw, time), ...}`` of one run of ``tree``'s benchmark (fused rows:
     (speed-up over 100 raw calls, time))."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    cmd = [mpiexec, "-bind-to", "core", "-n", str(ranks), sys.executable,
+    cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable,
            os.path.join(tree, "benchmarks", "allreduce.py")] + extra
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
     if out.returncode != 0:

@@ -610,7 +610,7 @@ def measure_all(args: argparse.Namespace) -> int:
               "--max-size", str(args.max_size)]
     for ranks, pretend in ((2, None), (4, None), (4, 2)):
         env = dict(base, MPISTRAT_PRETEND_NODES=str(pretend)) if pretend else base
-        cmd = [mpiexec, "-bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
+        cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
         print(f"# {'MPISTRAT_PRETEND_NODES=' + str(pretend) + ' ' if pretend else ''}{' '.join(cmd)}", flush=True)
         done = subprocess.run(cmd, env=env, timeout=1800, check=False)
         if done.returncode != 0:

@@ -369,7 +369,7 @@ def stop_group(job: subprocess.Popen) -> None:
 
 
 def run_worker(mpiexec: str, ranks: int, args: argparse.Namespace, out: str) -> dict:
-    cmd = [mpiexec, "-bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
+    cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
            "--out", out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--modes", ",".join(args.modes)]
     print(f"$ {' '.join(cmd[:5])} python benchmarks/train_step.py {' '.join(cmd[7:])}", flush=True)
     job = subprocess.Popen(cmd, start_new_session=True)  # its own process group: stopped with all its ranks
