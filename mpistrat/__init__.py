@@ -52,6 +52,10 @@ _LAZY = {
     "data": ("mpistrat.data", None),
     "optimizers": ("mpistrat.optimizers", None),
     "checkpoint": ("mpistrat.checkpoint", None),
+    "ParameterServerStrategy": ("mpistrat.distribute.parameter_server.strategy", "ParameterServerStrategy"),
+    "Server": ("mpistrat.distribute.parameter_server.server", "Server"),
+    "coordinator": ("mpistrat.coordinator", None),
+    "errors": ("mpistrat.errors", None),
     "Checkpoint": ("mpistrat.checkpoint", "Checkpoint"),
     "CheckpointManager": ("mpistrat.checkpoint", "CheckpointManager"),
 }

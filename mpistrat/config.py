@@ -191,6 +191,8 @@ VARIABLES: tuple[Variable, ...] = (
              "do not install the hook that aborts the job on an uncaught exception"),
     Variable("MPISTRAT_PRINT_RANKS", "print_ranks", parse_bool, False,
              "rank 0 prints a rank -> host/PID table when a MultiWorkerMirroredStrategy starts"),
+    Variable("MPISTRAT_NUM_PS", "num_ps", _positive_int, None,
+             "parameter servers of MPIClusterResolver() (num_ps=None): rank 0 the chief, the next ranks ps"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -214,6 +216,7 @@ class Settings:
     timeline: str | None
     no_abort_hook: bool
     print_ranks: bool
+    num_ps: int | None
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
 

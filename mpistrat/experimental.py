@@ -12,3 +12,15 @@ CollectiveCommunication = CommunicationImplementation  # TF's older name
 
 __all__ = ["CentralStorageStrategy", "CommunicationImplementation", "CommunicationOptions", "CollectiveCommunication",
            "MultiWorkerMirroredStrategy", "ReduceOp", "ShardedVariable", "TPUStrategy", "partitioners"]
+
+
+def __getattr__(name: str) -> object:
+    """``ParameterServerStrategy`` and ``coordinator`` (TF's ``experimental.coordinator``), imported on first use:
+    they load MPI (documented as ``mpistrat.ParameterServerStrategy`` and ``mpistrat.coordinator``)."""
+    import importlib  # noqa: PLC0415
+
+    if name == "ParameterServerStrategy":
+        return importlib.import_module("mpistrat.distribute.parameter_server.strategy").ParameterServerStrategy
+    if name == "coordinator":
+        return importlib.import_module("mpistrat.coordinator")
+    raise AttributeError(f"module 'mpistrat.experimental' has no attribute {name!r}")

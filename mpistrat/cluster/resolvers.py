@@ -458,7 +458,8 @@ class SlurmClusterResolver(ClusterResolver):
 # --------------------------------------------------------------------------- MPI
 
 class MPIClusterResolver(ClusterResolver):
-    """One MPI rank = one "worker" task (collective over ``comm`` when created).
+    """One MPI rank = one "worker" task (collective over ``comm`` when created); with ``num_ps=P`` (or
+    ``MPISTRAT_NUM_PS``) a parameter-server job: rank 0 the "chief", ranks 1..P "ps", the rest "worker".
 
     ``comm`` defaults to ``COMM_WORLD``; pass a sub-communicator to run a
     strategy on part of the job. Local rank and node come from
@@ -471,8 +472,10 @@ class MPIClusterResolver(ClusterResolver):
 
     def __init__(self, comm: Any = None, port_base: int = DEFAULT_PORT_BASE,
                  gpus_per_node: int | None = None, gpus_per_task: int | None = None,
-                 rpc_layer: str | None = None):
+                 rpc_layer: str | None = None, num_ps: int | None = None):
         from mpi4py import MPI  # noqa: PLC0415  (lazy: importing mpi4py.MPI initialises MPI)
+
+        from mpistrat import config  # noqa: PLC0415
 
         from mpistrat.comm import node_layout  # noqa: PLC0415
 
@@ -490,8 +493,16 @@ class MPIClusterResolver(ClusterResolver):
         self.hostnames = [r[0] for r in rows]
         self._local_ranks = [r[1] for r in rows]
         self._max_local_size = max(r[2] for r in rows)
-        self.task_type = "worker"
-        self.task_id = self.comm.Get_rank()
+        self.num_ps = int(config.get("num_ps") or 0) if num_ps is None else int(num_ps)
+        size, rank = len(rows), self.comm.Get_rank()
+        if self.num_ps < 0 or (self.num_ps and size < self.num_ps + 2):
+            raise ValueError(f"num_ps={self.num_ps} needs at least {self.num_ps + 2} ranks (a chief, the ps and a "
+                             f"worker); this job has {size}")
+        if self.num_ps:  # a parameter-server job: rank 0 the chief, then the ps, then the workers
+            self.task_type, self.task_id = (("chief", 0) if rank == 0 else ("ps", rank - 1)
+                                            if rank <= self.num_ps else ("worker", rank - 1 - self.num_ps))
+        else:
+            self.task_type, self.task_id = "worker", rank
         self.rpc_layer = rpc_layer
         self._port_base = int(port_base)
         self._gpus_per_node = gpus_per_node
@@ -504,10 +515,13 @@ class MPIClusterResolver(ClusterResolver):
         return len(self.hostnames)
 
     def cluster_spec(self) -> ClusterSpec:
-        """``{"worker": [host:port_base+local_rank of each rank]}`` (ports are placeholders)."""
-        return ClusterSpec({"worker": [
-            f"{h}:{self._port_base + lr}" for h, lr in zip(self.hostnames, self._local_ranks)
-        ]})
+        """``{"worker": [host:port_base+local_rank of each rank]}`` (ports are placeholders); with ``num_ps``,
+        ``{"chief": [rank 0], "ps": [the next num_ps ranks], "worker": [the rest]}``."""
+        addresses = [f"{h}:{self._port_base + lr}" for h, lr in zip(self.hostnames, self._local_ranks)]
+        if not self.num_ps:
+            return ClusterSpec({"worker": addresses})
+        return ClusterSpec({"chief": addresses[:1], "ps": addresses[1:1 + self.num_ps],
+                            "worker": addresses[1 + self.num_ps:]})
 
     def local_gpus(self) -> list[int]:
         """This rank's GPU indices (CuPy numbering)."""
