@@ -73,6 +73,18 @@ def test_cpu_multi_node_template_on_one_node(slurm_cluster, job_env):
     assert _check_run(result, 2) > 0.9
 
 
+@pytest.mark.timeout(240)
+def test_parameter_server_template(slurm_cluster, job_env):
+    result = slurm_cluster.sbatch(JOBS / "slurm_parameter_server.sbatch", timeout=200)
+    if _unwired(slurm_cluster, result, 4):
+        return
+    text = result.output
+    assert result.returncode == 0, f"sbatch exit {result.returncode}\n{result.stderr}\n{text}"
+    assert "1 chief, 1 ps, 2 workers" in text, text
+    match = re.search(r"^final test accuracy (\d\.\d+) after 3 epochs", text, re.M)
+    assert match and float(match.group(1)) > 0.7, text  # 3 epochs (job_env): learning, not converged
+
+
 def test_gpu_template_test_only(slurm_cluster, job_env, tmp_path):
     script = (JOBS / "slurm_gpu.sbatch").read_text()
     assert "--gpus-per-task=1" in script and re.search(r"^#SBATCH --ntasks-per-node=\d+", script, re.M)
@@ -87,10 +99,12 @@ def test_gpu_template_test_only(slurm_cluster, job_env, tmp_path):
     assert "to start at" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("name", ["slurm_cpu_one_node.sbatch", "slurm_cpu_multi_node.sbatch", "slurm_gpu.sbatch"])
+@pytest.mark.parametrize("name", ["slurm_cpu_one_node.sbatch", "slurm_cpu_multi_node.sbatch", "slurm_gpu.sbatch",
+                                  "slurm_parameter_server.sbatch"])
 def test_templates_have_editable_parameters_and_site_notes(name):
     text = (JOBS / name).read_text()
     assert text.startswith("#!/bin/bash\n")
+    example = "examples/train_ps.py" if "parameter_server" in name else "examples/train.py"
     for needle in ("#SBATCH --nodes=", "#SBATCH --ntasks-per-node=", "#SBATCH --time=", "--partition",
-                   "module load", ': "${EPOCHS:=', ': "${MPI_PLUGIN:=pmi2}"', "examples/train.py"):
+                   "module load", ': "${EPOCHS:=', ': "${MPI_PLUGIN:=pmi2}"', example):
         assert needle in text, (name, needle)

@@ -99,3 +99,14 @@ def test_names_are_tensorflows():
     with pytest.raises(ValueError, match="Only `tf.distribute.experimental.ParameterServerStrategy` is supported"):
         ms.coordinator.ClusterCoordinator(ms.OneDeviceStrategy("/cpu:0"))
 
+
+
+@pytest.mark.timeout(200)
+def test_the_asynchronous_example_trains(tmp_path):
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "train_ps.py")
+    job = run_job([example], 4, limit=150, env=clean_env())  # 10 epochs: about 1 s
+    assert job.returncode == 0, job.output
+    assert "1 chief, 1 ps, 2 workers" in job.output, job.output
+    final = [line for line in job.output.splitlines() if line.startswith("final test accuracy")]
+    assert final and float(final[0].split()[3]) > 0.95, job.output  # MultiWorkerMirrored's: 0.98
+    assert wait_for_no_leftovers(job.tag) == []

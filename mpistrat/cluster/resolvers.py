@@ -496,6 +496,9 @@ class MPIClusterResolver(ClusterResolver):
         self.num_ps = int(config.get("num_ps") or 0) if num_ps is None else int(num_ps)
         size, rank = len(rows), self.comm.Get_rank()
         if self.num_ps < 0 or (self.num_ps and size < self.num_ps + 2):
+            unwired = _singleton_in_step_error(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
+            if unwired is not None:  # srun started the tasks, but each is alone in its MPI world
+                raise unwired
             raise ValueError(f"num_ps={self.num_ps} needs at least {self.num_ps + 2} ranks (a chief, the ps and a "
                              f"worker); this job has {size}")
         if self.num_ps:  # a parameter-server job: rank 0 the chief, then the ps, then the workers

@@ -8,11 +8,12 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.distribute.parameter_server.protocol import TAG_PS, TAG_REPLY, Runtime
-from mpistrat.distribute.parameter_server.rpc import wait_message
+from mpistrat.distribute.parameter_server.rpc import BUSY, wait_message
 
 __all__ = ["serve_ps"]
 
 _UPDATES = {"assign_add": np.add, "assign_sub": np.subtract}
+_SEND_POLL_SECONDS = 0.5  # how long an answer is pushed before the ps turns to the next request
 
 
 def _apply(store: dict, request: tuple) -> Any:
@@ -56,9 +57,12 @@ def serve_ps(rt: Runtime) -> None:
             answer: tuple = ("ok", _apply(store, request))
         except Exception as exc:  # told to the requester, which raises it
             answer = ("error", exc)
-        # Sent without waiting for the receiver: a requester that timed out reads it at its next request.
+        # Sent while polling without sleep for a moment (a large answer moves in pieces); a requester that
+        # timed out takes it at its next request, meanwhile this rank serves the others.
         sends[:] = [r for r in sends if not r.Test()]
-        sends.append(rt.comm.isend((seq, answer), dest=source, tag=TAG_REPLY))
+        send = rt.comm.isend((seq, answer), dest=source, tag=TAG_REPLY)
+        if not BUSY.until(send.Test, _SEND_POLL_SECONDS):
+            sends.append(send)
 
 
 def _finish(sends: list) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 from mpi4py import MPI
@@ -11,11 +12,14 @@ from mpistrat.comm import OVERSUBSCRIBED_YIELDS, SPIN_POLLS, Waiter
 from mpistrat.distribute.parameter_server.protocol import TAG_PS, TAG_REPLY, Runtime
 from mpistrat.errors import UnavailableError
 
-__all__ = ["call", "wait_message"]
+__all__ = ["BUSY", "call", "wait_message"]
 
 # Waits of the job's ranks are long and idle (a ps between requests, a worker between functions): they
 # spin a little, then yield, then sleep, so that idle ranks leave the cores to the ranks computing.
 _WAITER = Waiter(SPIN_POLLS, OVERSUBSCRIBED_YIELDS)
+# A message in transit: MPI moves a large one in pieces, each when both ranks are in MPI, so the sender
+# polls without sleeping until it is out.
+BUSY = Waiter(SPIN_POLLS, None)
 _IDLE_AFTER = 1e-3
 _seq = itertools.count(1)
 _sends: list[Any] = []  # requests whose isend may still be in flight (kept alive until done)
@@ -46,9 +50,16 @@ def call(rt: Runtime, dest: int, request: tuple, what: str) -> Any:
     """
     seq = next(_seq)
     _sends[:] = [r for r in _sends if not r.Test()]
-    _sends.append(rt.comm.isend((seq, request), dest=dest, tag=TAG_PS))
+    send = rt.comm.isend((seq, request), dest=dest, tag=TAG_PS)
+    _sends.append(send)
+    # A large request moves in several steps, each needing this rank in MPI: poll without sleeping until
+    # it is out (a stopped receiver still ends in the timeout), then wait for the answer, idle.
+    deadline = time.monotonic() + rt.timeout_seconds
+    if not BUSY.until(send.Test, rt.timeout_seconds):
+        raise UnavailableError(f"{what}: rank {dest} did not take the request within {rt.timeout_seconds:g} s "
+                               "(timeout_seconds of ParameterServerStrategy); it may be stopped or overloaded")
     while True:
-        got = wait_message(rt.comm, dest, TAG_REPLY, rt.timeout_seconds)
+        got = wait_message(rt.comm, dest, TAG_REPLY, max(deadline - time.monotonic(), 0.0))
         if got is None:
             raise UnavailableError(f"{what}: rank {dest} did not answer within {rt.timeout_seconds:g} s "
                                    "(timeout_seconds of ParameterServerStrategy); it may be stopped or overloaded")
