@@ -63,9 +63,10 @@ x_train, y_train, x_test, y_test = split_digits()
 num_workers = len(resolver.cluster_spec().as_dict()["worker"])
 steps_per_epoch = len(x_train) // args.global_batch_size
 
-with strategy.scope():
-    model = MLP([NUM_FEATURES, *args.hidden, NUM_CLASSES], seed=args.seed)  # its variables live on the ps
-optimizer = ms.optimizers.SGD(args.learning_rate)
+with strategy.scope():  # the model's and the optimizer's variables live on the ps
+    model = MLP([NUM_FEATURES, *args.hidden, NUM_CLASSES], seed=args.seed)
+    optimizer = ms.optimizers.SGD(args.learning_rate)
+    optimizer.build(model.trainable_variables)
 
 
 def dataset_fn(input_context: ms.InputContext) -> ms.data.Dataset:

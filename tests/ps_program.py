@@ -222,6 +222,37 @@ if "unavailable" in cases:  # a ps stopped for real (SIGSTOP): the coordinator's
     assert float(w.numpy()) == 1.0  # answered again; the late answer of the timed-out read was dropped
     ok("unavailable")
 
+if "optimizer" in cases:  # slots and iterations built on the chief live on the ps: momentum and Adam as locally
+    grads = [np.full(3, g, np.float32) for g in (0.5, -1.0, 2.0, 0.25, 1.0)]
+    for make in (lambda: ms.optimizers.SGD(0.1, momentum=0.9), lambda: ms.optimizers.Adam(0.01)):
+        with strategy.scope():
+            w = ms.Variable(np.ones(3, np.float32))
+            opt = make()
+            opt.build([w])
+        assert all(type(v).__name__ == "RemoteVariable" for v in opt.variables), opt.variables
+
+        def apply(g):
+            opt.apply_gradients([(g, w)])
+
+        for g in grads:  # one at a time, so the expected values are a sequential run's
+            coordinator.schedule(apply, args=(g,)).fetch()
+        local_w, local_opt = ms.Variable(np.ones(3, np.float32)), make()
+        for g in grads:
+            local_opt.apply_gradients([(g, local_w)])
+        np.testing.assert_allclose(w.numpy(), local_w.numpy(), rtol=1e-6)
+        assert int(opt.iterations.numpy()) == len(grads)
+
+    def make_variable():
+        ms.Variable(1.0, name="made_on_a_worker")
+
+    try:
+        coordinator.schedule(make_variable)
+        coordinator.join()
+        raise AssertionError("a variable was created on a worker")
+    except RuntimeError as exc:
+        assert "'made_on_a_worker' created in a function scheduled on a worker" in str(exc), exc
+    ok("optimizer")
+
 if "save" in cases or "restore" in cases:  # a checkpoint of ps-held variables, the sharded one included
     shards = int(os.environ.get("PS_SHARDS", "3"))
     strategy.extended._variable_partitioner = ms.experimental.partitioners.FixedShardsPartitioner(shards)

@@ -13,7 +13,7 @@ from mpistrat.cluster.resolvers import ClusterResolver, ClusterSpec
 
 PROGRAM = str(Path(__file__).with_name("ps_program.py"))
 CASES = ["placement", "count", "remote_value", "shards", "errors", "remote_value_argument", "worker_index",
-         "datasets", "staleness", "unavailable"]
+         "datasets", "staleness", "optimizer", "unavailable"]
 
 
 def _job(ranks: int, cases: list[str], tmp_path: Path, **env: str):

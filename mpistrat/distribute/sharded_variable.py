@@ -54,6 +54,12 @@ class ShardedVariable(ValueOperators):
             v._sharded_container = weakref.ref(self)
 
     # -- what the shards make up ------------------------------------------------------
+
+    @property
+    def _distribute_strategy(self) -> Any:
+        """The strategy its shards belong to (None when they belong to none)."""
+        return getattr(self._variables[0], "_distribute_strategy", None)
+
     @property
     def variables(self) -> list:
         """The list of variables that make up the shards of this object."""

@@ -88,6 +88,10 @@ class BaseVariable(_Operators):
     _is_variable = True
 
     # subclasses provide: value(), _assign(method, value), name, dtype, shape, device
+    def _identity(self) -> Any:
+        """What identifies this variable in every copy of it (optimizers file slots by it): the object here."""
+        return id(self)
+
     def read_value(self) -> Any:
         """The current value (an array on the variable's device)."""
         return self.value()

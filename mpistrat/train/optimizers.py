@@ -11,7 +11,7 @@ from mpistrat.distribute import context
 from mpistrat import devices as dev
 from mpistrat.arrays import as_array
 from mpistrat.distribute.values import DistributedValues, ReduceOp
-from mpistrat.distribute.variables import Variable
+from mpistrat.distribute.variables import BaseVariable, Variable
 
 __all__ = ["Optimizer", "SGD", "Adam", "get"]
 
@@ -28,6 +28,12 @@ def _check_positive(name: str, value: Any, allow_zero: bool = False) -> float:
 
 def _strategy_of(var: Any) -> Any:
     return getattr(var, "_distribute_strategy", None) or context.get_strategy()
+
+
+def _key(var: Any) -> Any:
+    """How ``var``'s slots are filed: its identity, the same in a copy of the optimizer sent to another rank
+    (a parameter server's variable), else the object."""
+    return var._identity() if isinstance(var, BaseVariable) else id(var)
 
 
 class Optimizer:
@@ -50,7 +56,7 @@ class Optimizer:
         self.learning_rate = _check_positive("learning_rate", learning_rate)
         self.name = name
         self._iterations: Any = None
-        self._slots: dict[int, dict[str, Any]] = {}
+        self._slots: dict[Any, dict[str, Any]] = {}
         self._built: list = []
 
     # -- state ----------------------------------------------------------------------
@@ -67,13 +73,13 @@ class Optimizer:
         """``iterations`` followed by the slot variables, in the order the variables were built."""
         out = [] if self._iterations is None else [self._iterations]
         for var in self._built:
-            out.extend(self._slots[id(var)][s] for s in self._slot_names)
+            out.extend(self._slots[_key(var)][s] for s in self._slot_names)
         return out
 
     def get_slot(self, var: Any, slot_name: str) -> Any:
         """The slot variable ``slot_name`` of ``var``."""
         try:
-            return self._slots[id(var)][slot_name]
+            return self._slots[_key(var)][slot_name]
         except KeyError:
             raise KeyError(f"Optimizer {self.name} has no slot {slot_name!r} for variable "
                            f"{getattr(var, 'name', var)!r}; slots: {list(self._slot_names)}") from None
@@ -90,14 +96,14 @@ class Optimizer:
         if len(strategies) != 1:
             raise ValueError(f"Optimizer {self.name}: the variables were created under different strategies")
         strategy = _strategy_of(var_list[0])
-        new = [v for v in var_list if id(v) not in self._slots]
+        new = [v for v in var_list if _key(v) not in self._slots]
         if self._iterations is not None and not new:
             return
         with strategy.scope():
             if self._iterations is None:
                 self._iterations = Variable(np.int64(0), trainable=False, name=f"{self.name}/iterations")
             for v in new:
-                self._slots[id(v)] = {
+                self._slots[_key(v)] = {
                     s: Variable(np.zeros(v.shape, v.dtype), trainable=False, name=f"{self.name}/{v.name}/{s}")
                     for s in self._slot_names
                 }
@@ -140,7 +146,7 @@ class Optimizer:
         step = int(np.asarray(self._iterations.numpy())) + 1
         coefficients = self._coefficients(step)
         for g, v in zip(grads, var_list):
-            slots = self._slots[id(v)]
+            slots = self._slots[_key(v)]
             strategy.extended.update(
                 v, lambda copy, grad: self._update_step(copy, dev.to_device(grad, copy.device), slots, coefficients),
                 args=(g,), group=False)

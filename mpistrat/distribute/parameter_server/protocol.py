@@ -47,6 +47,7 @@ class Runtime:
     roles: Roles
     timeout_seconds: float
     worker_index: int | None = None  # while a scheduled function runs on this worker
+    strategy: Any = None  # the chief's ParameterServerStrategy, or a worker's own strategy
 
 
 _runtime: Runtime | None = None

@@ -40,8 +40,13 @@ class RemoteVariable(BaseVariable):
         return (RemoteVariable, (self._var_id, self._ps_index, self._name, self._shape, self._dtype, self._trainable,
                                  self._synchronization, self._aggregation, self._constraint))
 
-    # No strategy of its own to meet (a checkpoint of it is the chief's alone: the other ranks serve).
-    _distribute_strategy = None
+    @property
+    def _distribute_strategy(self) -> Any:
+        """The strategy of this rank's part in the job: the chief's ``ParameterServerStrategy``, a worker's own."""
+        return protocol.runtime().strategy
+
+    def _identity(self) -> Any:
+        return ("ps", self._ps_index, self._var_id)
 
     def _call(self, request: tuple, what: str) -> Any:
         rt = protocol.runtime()

@@ -8,6 +8,7 @@ from mpistrat.config import get as setting
 from mpistrat.cluster.resolvers import ClusterSpec
 from mpistrat.distribute.parameter_server import protocol as wire
 from mpistrat.distribute.parameter_server.ps_service import serve_ps
+from mpistrat.distribute.parameter_server.strategy import worker_strategy
 from mpistrat.distribute.parameter_server.worker_service import serve_worker
 
 __all__ = ["Server"]
@@ -64,6 +65,7 @@ class Server:
         if self._job == "ps":
             serve_ps(self._runtime)
         else:
+            self._runtime.strategy = worker_strategy()
             serve_worker(self._runtime, self._index)
 
 

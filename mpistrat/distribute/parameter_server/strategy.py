@@ -110,6 +110,7 @@ class ParameterServerStrategy(Strategy):
         self._closed = False
         self._coordinator: Any = None
         super().__init__(_ParameterServerExtended(self, roles, variable_partitioner))
+        rt.strategy = self
         atexit.register(self._shutdown)
 
     def __reduce__(self) -> tuple:
@@ -145,9 +146,24 @@ class ParameterServerStrategy(Strategy):
         return f"<ParameterServerStrategy ps={self._roles.num_ps} workers={self._roles.num_workers}>"
 
 
+class _WorkerExtended(StrategyExtended):
+    _distributed_variables = True  # variables are the chief's to create
+
+    def _create_variable(self, kwargs: dict) -> Any:
+        raise RuntimeError(
+            f"variable {kwargs.get('name') or ''!r} created in a function scheduled on a worker: a "
+            "ParameterServerStrategy's variables are created on the chief, in strategy.scope(), before "
+            "scheduling (an optimizer's too: optimizer.build(model.trainable_variables) there)")
+
+
 class _WorkerStrategy(OneDeviceStrategy):
     """The strategy a scheduled function sees on a worker: one replica on its CPU, its datasets this worker's
-    shard (``InputContext(num_workers, worker_index, 1)``, as TF's workers build them)."""
+    shard (``InputContext(num_workers, worker_index, 1)``, as TF's workers build them); it creates no
+    variables (they are the chief's)."""
+
+    def __init__(self) -> None:
+        self._device = _CPU
+        Strategy.__init__(self, _WorkerExtended(self, [_CPU]))
 
     def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
         rt = protocol.runtime()
@@ -171,5 +187,5 @@ def worker_strategy() -> _WorkerStrategy:
     """This worker's strategy (what a pickled ``ParameterServerStrategy`` becomes on a worker)."""
     global _worker
     if _worker is None:
-        _worker = _WorkerStrategy(_CPU)
+        _worker = _WorkerStrategy()
     return _worker

@@ -59,7 +59,8 @@ def serve_worker(rt: Runtime, worker_index: int) -> None:
                 args, kwargs = _resolve(args, values), _resolve(kwargs, values)
                 rt.worker_index = worker_index
                 try:
-                    result = fn(*args, **kwargs)
+                    with rt.strategy.scope():  # in the strategy's scope, as the chief schedules it
+                        result = fn(*args, **kwargs)
                 finally:
                     rt.worker_index = None
                 answer: tuple = ("done", order[1], dumps(result))
