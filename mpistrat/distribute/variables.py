@@ -87,7 +87,20 @@ class BaseVariable(_Operators):
 
     _is_variable = True
 
-    # subclasses provide: value(), _assign(method, value), name, dtype, shape, device
+    # subclasses provide: value(), _assign(method, value), name, dtype, shape, device, and the settings
+    # ``_trainable``, ``_synchronization`` and ``_aggregation`` (or their own properties below)
+    @property
+    def trainable(self) -> bool:
+        return self._trainable  # type: ignore[attr-defined]
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._synchronization  # type: ignore[attr-defined]
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation  # type: ignore[attr-defined]
+
     def _identity(self) -> Any:
         """What identifies this variable in every copy of it (optimizers file slots by it): the object here."""
         return id(self)
@@ -330,18 +343,6 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         return self._device
 
     @property
-    def trainable(self) -> bool:
-        return self._trainable
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        return self._synchronization
-
-    @property
-    def aggregation(self) -> VariableAggregation:
-        return self._aggregation
-
-    @property
     def constraint(self) -> Callable[[Any], Any] | None:
         """The projection an optimizer applies after each update (``assign`` does not), or None."""
         return self._constraint
@@ -460,18 +461,6 @@ class DistributedVariable(BaseVariable, DistributedValues):
     @property
     def shape(self) -> tuple:
         return self._values[0].shape
-
-    @property
-    def trainable(self) -> bool:
-        return self._trainable
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        return self._synchronization
-
-    @property
-    def aggregation(self) -> VariableAggregation:
-        return self._aggregation
 
     @property
     def constraint(self) -> Callable[[Any], Any] | None:

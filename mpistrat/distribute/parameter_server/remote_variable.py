@@ -69,18 +69,6 @@ class RemoteVariable(BaseVariable):
         return f"/job:ps/replica:0/task:{self._ps_index}/device:CPU:0"
 
     @property
-    def trainable(self) -> bool:
-        return self._trainable
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        return self._synchronization
-
-    @property
-    def aggregation(self) -> VariableAggregation:
-        return self._aggregation
-
-    @property
     def constraint(self) -> Callable[[Any], Any] | None:
         return self._constraint
 
