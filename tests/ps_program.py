@@ -130,6 +130,14 @@ if "errors" in cases:
         pass
     coordinator.join()  # the error was raised once: the next join is clean
     assert coordinator.done()
+    exiting = coordinator.schedule(sys.exit, args=(3,))  # a function's SystemExit is its error; the worker serves on
+    try:
+        coordinator.join()
+        raise AssertionError("SystemExit in a scheduled function was not raised")
+    except SystemExit as exc:
+        assert exc.code == 3
+    assert coordinator.schedule(lambda: 7).fetch() == 7 and coordinator.schedule(lambda: 8).fetch() == 8
+    del exiting
     ok("errors")
 
 if "remote_value_argument" in cases:

@@ -72,6 +72,10 @@ def serve_worker(rt: Runtime, worker_index: int) -> None:
                 answer = ("done", order[2], dumps(None))
             else:
                 raise ValueError(f"unknown order {kind!r} from the chief")
-        except Exception as exc:  # the chief raises it (its type, this traceback) at its next join/done/schedule
+        except BaseException as exc:  # the chief raises it (its type, this traceback) at its next join/done/schedule
+            # SystemExit from a function is its error, not the server's end: the chief would wait for it.
             answer = ("error", order[1], _error_payload(exc))
+            if isinstance(exc, KeyboardInterrupt):
+                rt.comm.send(answer, dest=0, tag=TAG_RESULT)
+                raise
         rt.comm.send(answer, dest=0, tag=TAG_RESULT)
