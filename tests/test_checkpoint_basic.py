@@ -99,8 +99,8 @@ def test_corrupt_files_raise_naming_the_file(tmp_path, damage):
         data = data[: len(data) // 2]
     elif damage == "flip":
         with zipfile.ZipFile(path) as z:
-            info = z.getinfo("v0.npy")
-        at = info.header_offset + 30 + len(info.filename) + 128 + 5  # inside v0's array bytes
+            info = z.getinfo("model/mlp/dense_0/kernel.npy")  # members are named by variable
+        at = info.header_offset + 30 + len(info.filename) + 128 + 5  # inside the kernel's array bytes
         data[at] ^= 0xFF
     elif damage == "garbage":
         data = bytearray(b"not a checkpoint at all" * 10)
@@ -119,7 +119,7 @@ def test_refuses_pickled_members_and_foreign_npz(tmp_path):
     path = ckpt.write(tmp_path / "e.npz")
     with np.load(path) as z:
         members = {k: z[k] for k in z.files}
-    members["v0"] = np.array([{"evil": 1}, None], dtype=object)  # would need pickle to load
+    members["model/mlp/dense_0/kernel"] = np.array([{"evil": 1}, None], dtype=object)  # would need pickle
     np.savez(tmp_path / "evil.npz", **members)
     with pytest.raises(CheckpointError, match=r"evil.npz' is inconsistent: 'model/mlp/dense_0/kernel' is stored with "
                                               r"shape \(2,\) dtype object but its manifest says \(4, 5\) <f4"):

@@ -17,6 +17,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("mpistrat.tools.info", "print MPI, CUDA, GPU and device facts for every rank"),
     "timeline": ("mpistrat.tools.timeline", "merge the per-rank timeline files of a job; summarise a trace per rank"),
+    "checkpoint": ("mpistrat.tools.checkpoint_cli", "list a checkpoint's variables, or export them (safetensors)"),
 }
 
 

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import tempfile
+import urllib.parse
 import zipfile
 from collections.abc import Mapping
 from typing import Any, BinaryIO
@@ -28,12 +29,16 @@ __all__ = [
     "CheckpointError",
     "check_variables",
     "fsync_directory",
+    "member_name",
+    "read_manifest",
+    "read_saved",
     "read_file",
     "write_file",
 ]
 
 FORMAT = "mpistrat-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: members named by variable name (member_name); 1: members v0..vN, still read
+_READ_VERSIONS = (1, 2)
 MANIFEST = "__manifest__"
 MAX_MANIFEST_BYTES = 16 << 20
 """The largest manifest (names, shapes, dtypes, user metadata) written or read, in bytes of JSON."""
@@ -53,6 +58,20 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable, corrupt, or does not match the live variables."""
 
 
+# -- member names --------------------------------------------------------------------------
+def member_name(name: str) -> str:
+    """The zip member (without ``.npy``) that holds variable ``name``, so that ``np.load(path)[name]`` finds a
+    plain one: the name itself where it is a path of letters, digits, ``_``, ``-`` and ``.`` segments;
+    every other character (``%`` too) percent-escaped as its UTF-8 bytes (``urllib.parse.quote``); where
+    a segment would be empty, ``.`` or ``..``, the whole name escaped flat (``/`` and ``.`` too); the
+    manifest's own name with its first character escaped. Different names always give different members
+    (no escaped output is another name's plain or path output), and a name always the same one."""
+    path = urllib.parse.quote(name, safe="/_-.")
+    if any(seg in ("", ".", "..") for seg in path.split("/")):
+        return urllib.parse.quote(name, safe="_-").replace(".", "%2E")
+    return "%5F" + path[1:] if path == MANIFEST else path
+
+
 # -- write -------------------------------------------------------------------------------
 def fsync_directory(path: str) -> None:
     """fsync a directory, so that a rename or unlink in it is durable."""
@@ -69,7 +88,8 @@ def write_file(path: str, names: list, arrays: list, metadata: dict) -> None:
         raise CheckpointError(f"the metadata for {path!r} nests lists and dicts more than {MAX_METADATA_DEPTH} deep")
     manifest = {
         "format": FORMAT, "version": VERSION, "metadata": metadata,
-        "variables": [{"name": n, "shape": list(a.shape), "dtype": a.dtype.str} for n, a in zip(names, arrays)],
+        "variables": [{"name": n, "member": member_name(n), "shape": list(a.shape), "dtype": a.dtype.str}
+                      for n, a in zip(names, arrays)],
     }
     text = json.dumps(manifest).encode()
     if len(text) > MAX_MANIFEST_BYTES:
@@ -80,7 +100,7 @@ def write_file(path: str, names: list, arrays: list, metadata: dict) -> None:
         os.makedirs(directory, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise CheckpointError(f"{directory!r} or a directory above it is a file, not a directory") from None
-    members = {f"v{i}": a for i, a in enumerate(arrays)}
+    members = {member_name(n): a for n, a in zip(names, arrays)}
     members[MANIFEST] = np.frombuffer(text, dtype=np.uint8)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
@@ -97,6 +117,28 @@ def write_file(path: str, names: list, arrays: list, metadata: dict) -> None:
 
 
 # -- read --------------------------------------------------------------------------------
+def read_manifest(path: str) -> dict:
+    """The checked manifest of checkpoint ``path`` (names, shapes, dtypes, metadata), no data read."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"Checkpoint file {path!r} does not exist or is not a regular file")
+    try:
+        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+            return _read_manifest(path, z, _members(path, z))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - as read_file: the error names the file
+        raise CheckpointError(f"Checkpoint file {path!r} is corrupt or truncated: {type(exc).__name__}: "
+                              f"{exc}") from None
+
+
+def read_saved(path: str) -> tuple[dict, dict]:
+    """The manifest and ``{name: array}`` of checkpoint ``path`` as saved, checked against its own manifest."""
+    manifest = read_manifest(path)
+    expected = {e["name"]: (tuple(e["shape"]), np.dtype(e["dtype"])) for e in manifest["variables"]}
+    manifest, arrays = read_file(path, expected)
+    return manifest, {e["name"]: a for e, a in zip(manifest["variables"], arrays)}
+
+
 def read_file(path: str, expected: Expected) -> tuple[dict, list]:
     """The manifest and arrays of checkpoint ``path`` (native byte order), checked against ``expected`` first.
 
@@ -114,10 +156,10 @@ def read_file(path: str, expected: Expected) -> tuple[dict, list]:
             manifest = _read_manifest(path, z, infos)
             check_variables(path, manifest, expected)
             entries = manifest["variables"]
-            _require_members(path, infos, len(entries))
-            layouts = [_check_header(path, z, infos[f"v{i}.npy"], entry) for i, entry in enumerate(entries)]
-            arrays = [_read_data(z, infos[f"v{i}.npy"], entry, *layout)
-                      for i, (entry, layout) in enumerate(zip(entries, layouts))]
+            members = _members_of(manifest)
+            _require_members(path, infos, members)
+            layouts = [_check_header(path, z, infos[m], entry) for m, entry in zip(members, entries)]
+            arrays = [_read_data(z, infos[m], entry, *layout) for m, entry, layout in zip(members, entries, layouts)]
     except CheckpointError:
         raise
     except RecursionError:
@@ -145,12 +187,19 @@ def _members(path: str, z: zipfile.ZipFile) -> dict:
     return infos
 
 
-def _require_members(path: str, infos: dict, count: int) -> None:
-    wanted = {_MANIFEST_MEMBER} | {f"v{i}.npy" for i in range(count)}
+def _members_of(manifest: dict) -> list[str]:
+    """The zip member of each variable of a checked manifest: ``v<i>.npy`` in version 1, by name in version 2."""
+    if manifest["version"] == 1:
+        return [f"v{i}.npy" for i in range(len(manifest["variables"]))]
+    return [member_name(e["name"]) + ".npy" for e in manifest["variables"]]
+
+
+def _require_members(path: str, infos: dict, members: list[str]) -> None:
+    wanted = {_MANIFEST_MEMBER} | set(members)
     missing, extra = sorted(wanted - infos.keys()), sorted(infos.keys() - wanted)
     if missing or extra:
-        raise CheckpointError(f"Checkpoint file {path!r} is corrupt: its manifest lists {count} variables but "
-                              f"members {missing} are missing and {extra} are unexpected")
+        raise CheckpointError(f"Checkpoint file {path!r} is corrupt: its manifest lists {len(members)} variables "
+                              f"but members {missing} are missing and {extra} are unexpected")
 
 
 def _read_npy_header(stream: BinaryIO) -> tuple[tuple, bool, np.dtype]:
@@ -191,9 +240,10 @@ def _check_manifest(path: str, manifest: Any) -> None:
 
     if not isinstance(manifest, dict):
         raise bad(f"it is a JSON {type(manifest).__name__}, not an object")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in _READ_VERSIONS:
         raise CheckpointError(f"Checkpoint file {path!r} has format {manifest.get('format')!r} version "
-                              f"{manifest.get('version')!r}; expected {FORMAT!r} version {VERSION}")
+                              f"{manifest.get('version')!r}; expected {FORMAT!r} version "
+                              f"{' or '.join(map(str, _READ_VERSIONS))}")
     if not isinstance(manifest.get("metadata"), dict):
         raise bad(f"'metadata' is {_short(manifest.get('metadata'))}, not an object")
     if _too_deep(manifest["metadata"]):
