@@ -121,9 +121,10 @@ def test_sbatch_wait(slurm_cluster, probe):  # noqa: F811
     plugin = slurm_cluster.mpi_plugin()
     srun = f"srun --mpi={plugin} {sys.executable} {probe}" if plugin else ""
     # The ranks mpiexec starts are no Slurm step's tasks (Open MPI's even lack the SLURM_STEP_ variables).
-    ranks = ("import json; from mpi4py import MPI; from mpistrat.cluster.resolvers import default_cluster_resolver; "
-             "print(json.dumps({'rank': MPI.COMM_WORLD.rank, 'size': MPI.COMM_WORLD.size, "
-             "'default': type(default_cluster_resolver()).__name__}), flush=True)")
+    # One write per line: the ranks share the output file.
+    ranks = ("import json, sys; from mpi4py import MPI; from mpistrat.cluster.resolvers import default_cluster_resolver; "
+             "sys.stdout.write(json.dumps({'rank': MPI.COMM_WORLD.rank, 'size': MPI.COMM_WORLD.size, "
+             "'default': type(default_cluster_resolver()).__name__}) + chr(10)); sys.stdout.flush()")
     script = textwrap.dedent(f"""\
         #!/bin/bash
         #SBATCH --ntasks=2
