@@ -7,11 +7,13 @@ from mpistrat.distribute.sharded_variable import ShardedVariable
 from mpistrat.distribute.tpu import TPUStrategy
 from mpistrat.distribute.multi_worker import MultiWorkerMirroredStrategy  # loads MPI only when one is made
 from mpistrat.ops import ReduceOp
+from mpistrat.train.preemption import PreemptionCheckpointHandler, TerminationConfig
 
 CollectiveCommunication = CommunicationImplementation  # TF's older name
 
 __all__ = ["CentralStorageStrategy", "CommunicationImplementation", "CommunicationOptions", "CollectiveCommunication",
-           "MultiWorkerMirroredStrategy", "ReduceOp", "ShardedVariable", "TPUStrategy", "partitioners"]
+           "MultiWorkerMirroredStrategy", "PreemptionCheckpointHandler", "ReduceOp", "ShardedVariable", "TPUStrategy",
+           "TerminationConfig", "partitioners"]
 
 
 def __getattr__(name: str) -> object:

@@ -24,6 +24,8 @@ from mpistrat.checkpoint import Checkpoint, CheckpointManager
 from mpistrat.examples.digits import NUM_CLASSES, NUM_FEATURES, DigitsData, prepare_digits, test_dataset, train_dataset
 from mpistrat.examples.mlp import MLP
 from mpistrat.optimizers import get as get_optimizer
+from mpistrat.train.checkpoint_file import read_manifest
+from mpistrat.train.preemption import PreemptionCheckpointHandler
 
 __all__ = ["main", "parse_args", "Trainer"]
 
@@ -153,9 +155,9 @@ class Trainer:
             self.train_metrics = _Metrics(["loss", "correct", "count"])
             self.test_metrics = _Metrics(["correct", "count"])
         self.manager = None
+        self.checkpoint = Checkpoint(model=self.model, optimizer=self.optimizer, epoch=self.epoch)
         if args.checkpoint_dir:
-            checkpoint = Checkpoint(model=self.model, optimizer=self.optimizer, epoch=self.epoch)
-            self.manager = CheckpointManager(checkpoint, args.checkpoint_dir, max_to_keep=args.keep_checkpoints)
+            self.manager = CheckpointManager(self.checkpoint, args.checkpoint_dir, max_to_keep=args.keep_checkpoints)
         self.input_options = ms.InputOptions(experimental_fetch_to_device=True,
                                              experimental_per_replica_buffer_size=args.prefetch)
         self.dist_test = strategy.experimental_distribute_dataset(
@@ -182,8 +184,10 @@ class Trainer:
         self.test_metrics.add(correct=(predictions == y.astype(predictions.dtype)).sum(), count=x.shape[0])
 
     # -- cross-replica driver ---------------------------------------------------------------
-    def train_epoch(self, epoch: int, bar: Any) -> tuple[dict, float]:
-        """Run one epoch's full global batches; the summed metrics and the seconds taken."""
+    def train_epoch(self, epoch: int, bar: Any, skip: int = 0, handler: Any = None) -> tuple[dict, float]:
+        """Run one epoch's full global batches (the first ``skip`` already trained before a preemption: read,
+        not trained on), each through ``handler.run`` where there is a preemption handler; the summed
+        metrics and the seconds taken."""
         strategy = self.strategy
         with strategy.scope():
             self.train_metrics.reset()
@@ -192,8 +196,14 @@ class Trainer:
         t0 = time.perf_counter()
         iterator = iter(dist_train)
         try:
-            for _ in range(self.steps_per_epoch):  # full global batches only (see digits.py)
-                strategy.run(self.train_step, args=(next(iterator),))
+            for step in range(self.steps_per_epoch):  # full global batches only (see digits.py)
+                batch = next(iterator)
+                if step < skip:
+                    continue
+                if handler is None:
+                    strategy.run(self.train_step, args=(batch,))
+                else:
+                    handler.run(strategy.run, self.train_step, args=(batch,))
                 if bar is not None:
                     bar.update(1)
         finally:
@@ -223,6 +233,12 @@ def _progress_bar(show: bool, total: int, desc: str) -> Any:
     except ImportError:  # the bar is optional
         return None
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+
+
+def saved_steps(path: str, steps_per_epoch: int) -> int:
+    """Training steps a checkpoint of this program holds (its metadata; epochs x steps for older files)."""
+    metadata = read_manifest(path)["metadata"]
+    return int(metadata.get("steps", int(metadata.get("epoch", 0)) * steps_per_epoch))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -275,12 +291,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if batch % num_shards or batch % replicas:
         log(f"note: global batch {batch} is not a multiple of {num_shards} shards and {replicas} replicas: "
             "training is correct but the weights depend on the rank/replica layout")
+    handler = None
+    if trainer.manager is not None:
+        # SIGTERM or SIGUSR1 (Slurm's --signal) on any rank: every rank saves at the next step and exits 42.
+        # Its checkpoint (kept apart from the epoch ones) is restored here if there is one.
+        handler = PreemptionCheckpointHandler(strategy.cluster_resolver, trainer.checkpoint,
+                                              os.path.join(args.checkpoint_dir, "preemption"))
+        if handler.total_run_calls:
+            log(f"resumed from the preemption checkpoint after {int(trainer.optimizer.iterations.numpy())} steps")
     if trainer.manager is not None and args.resume:
-        path = trainer.manager.restore_or_initialize()
-        log(f"resumed from {path} (epoch {int(trainer.epoch.numpy())})" if path else
-            f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
+        latest = trainer.manager.latest_checkpoint
+        steps = int(trainer.optimizer.iterations.numpy())
+        if latest is not None and saved_steps(latest, trainer.steps_per_epoch) > steps:
+            trainer.manager.checkpoint.restore(latest)
+            log(f"resumed from {latest} (epoch {int(trainer.epoch.numpy())})")
+        elif latest is None and not steps:
+            log(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
 
-    first_epoch = int(trainer.epoch.numpy())
+    done = int(trainer.optimizer.iterations.numpy())  # steps trained: one optimizer update each
+    first_epoch, skip = divmod(done, trainer.steps_per_epoch)
     test_acc = float("nan")
     if first_epoch >= args.epochs:
         log(f"already trained {first_epoch} epochs (--epochs {args.epochs}): evaluating only")
@@ -289,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for epoch in range(first_epoch, args.epochs):
         bar = _progress_bar(show_bar, trainer.steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
         try:
-            train, seconds = trainer.train_epoch(epoch, bar)
+            train, seconds = trainer.train_epoch(epoch, bar, skip if epoch == first_epoch else 0, handler)
         finally:
             if bar is not None:
                 bar.close()
@@ -298,7 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"accuracy {train['correct'] / train['count']:.4f}  test accuracy {test_acc:.4f}  "
             f"{train['count'] / seconds:.0f} examples/s")
         if trainer.manager is not None and ((epoch + 1) % args.checkpoint_every == 0 or epoch + 1 == args.epochs):
-            path = trainer.manager.save(checkpoint_number=epoch + 1, metadata={"epoch": epoch + 1, "seed": args.seed})
+            path = trainer.manager.save(checkpoint_number=epoch + 1, metadata={
+                "epoch": epoch + 1, "seed": args.seed, "steps": (epoch + 1) * trainer.steps_per_epoch})
             log(f"saved checkpoint {path}")
     log(f"final test accuracy {test_acc:.4f} after {args.epochs} epochs on {num_workers} workers x "
         f"{len(devices)} replicas ({time.perf_counter() - t_start:.1f} s)")
