@@ -17,8 +17,8 @@ def test_two_ps_synchronous_rounds_train():
     job = run_job([EXAMPLE, "--num-ps", "2", "--epochs", "5", "--staleness", "0"], 5, limit=120, env=clean_env())
     assert job.returncode == 0, job.output
     assert "1 chief, 2 ps, 2 workers" in job.output, job.output
-    assert len(re.findall(r"^epoch \d+/5: ", job.output, re.M)) == 5, job.output
-    match = re.search(r"^final test accuracy (\d\.\d+) after 5 epochs", job.output, re.M)
+    assert len(re.findall(r"^epoch \d+/5: ", job.output, re.MULTILINE)) == 5, job.output
+    match = re.search(r"^final test accuracy (\d\.\d+) after 5 epochs", job.output, re.MULTILINE)
     assert match and float(match.group(1)) > 0.9, job.output  # 5 epochs: 0.95 here, 20 epochs: 0.98
     assert wait_for_no_leftovers(job.tag) == []
 
