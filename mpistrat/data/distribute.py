@@ -26,6 +26,7 @@ from mpistrat.distribute.values import PerReplica
 from mpistrat.data.autoshard import DATA, needs_seeds, resolve_policy, with_seeds
 from mpistrat.data.dataset import Dataset
 from mpistrat.data.errors import InputPipelineError, OutOfRangeError, rank_label
+from mpistrat.data.iterator_state import SaveableIterator, check_saveable, random_state, set_random_state
 from mpistrat.data.optional import Optional
 from mpistrat.data.prefetch import BackgroundProducer, ByteBudget
 from mpistrat.data.spec import TensorSpec, per_replica_spec
@@ -159,7 +160,7 @@ class _Placer:
         return placed
 
 
-class DistributedIterator:
+class DistributedIterator(SaveableIterator):
     """One pass over a distributed dataset: ``next``, ``get_next``, ``get_next_as_optional``.
 
     Each step is the element as it is with one local replica, else the
@@ -199,10 +200,20 @@ class DistributedIterator:
     buffer. A rank never promises a step it has not read,
     so iteration ends, and a read error is raised on every rank, at exactly the
     step where it would be with one agreement per step.
+
+    ``Checkpoint(iterator=it)`` saves the position: the steps handed out and
+    each rank's (seed, epoch) of every shuffle at the start of the pass.
+    Restoring into a fresh iterator over the same pipeline re-seeds it and
+    fast-forwards (re-reading the steps it skips), so the next steps are
+    bitwise those the saved run would have seen next.
     """
 
     def __init__(self, make_steps: Callable[[], Iterator[List[Any]]], info: InputWorkerInfo, options: InputOptions,
-                 element_spec: Callable[[], Any]):
+                 element_spec: Callable[[], Any], nodes: _Opt[List[Any]] = None):
+        self._args = (make_steps, info, options, element_spec, nodes)
+        self._nodes = nodes
+        self._random = random_state(nodes) if nodes is not None else []  # before the pass draws its epoch
+        self._steps = 0
         self._info = info
         self._comm = info.communicator if info.num_workers > 1 else None
         self._spec_fn = element_spec
@@ -367,6 +378,7 @@ class DistributedIterator:
         if self._committed == 0:
             self._agree()
         self._committed -= 1
+        self._steps += 1
         if self._held > 0:
             self._held -= 1
             if self._ready:
@@ -417,6 +429,33 @@ class DistributedIterator:
         """The spec of what one step yields (the dataset's ``element_spec``)."""
         return self._spec_fn()
 
+    # -- checkpointing (SaveableIterator) ----------------------------------------------------
+    def _state(self) -> Any:
+        """``{"steps": n, "random": [per rank: [[seed, epoch], ...]]}`` (collective)."""
+        if self._nodes is None:
+            raise ValueError("Cannot save this iterator: it was not made by iterating a distributed dataset")
+        check_saveable(self._nodes)
+        random = [self._random] if self._comm is None else self._comm.allgather_object(self._random)
+        return {"steps": self._steps, "random": random}
+
+    def _restore(self, state: Any) -> None:
+        """Re-seed the pipeline as saved and skip the saved number of steps (collective; a fresh iterator)."""
+        if self._nodes is None:
+            raise ValueError("Cannot restore this iterator: it was not made by iterating a distributed dataset")
+        check_saveable(self._nodes)
+        if self._steps:
+            raise ValueError(f"Cannot restore an iterator that has already yielded {self._steps} step(s): "
+                             "restore into a fresh iter(dist_dataset)")
+        random = state["random"]
+        if len(random) != self._info.num_workers:
+            raise ValueError(f"Cannot restore the iterator: saved with {len(random)} worker(s), "
+                             f"running with {self._info.num_workers}")
+        self._finish()
+        set_random_state(self._nodes, random[self._info.worker_index])
+        self.__init__(*self._args)  # type: ignore[misc]  # a new pass from the restored seeds and epochs
+        for _ in range(int(state["steps"])):
+            self._next()
+
     def _finish(self) -> None:
         self._finished = True
         if self._producer is not None:
@@ -439,7 +478,12 @@ class _DistributedBase:
     _options: InputOptions
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(self._make_steps, self._info, self._options, lambda: self.element_spec)
+        return DistributedIterator(self._make_steps, self._info, self._options, lambda: self.element_spec,
+                                   self._pipeline())
+
+    def _pipeline(self) -> List[Any]:
+        """The root nodes this rank iterates (what an iterator's saved state describes)."""
+        raise NotImplementedError
 
     def _make_steps(self) -> Iterator[List[Any]]:
         raise NotImplementedError
@@ -520,6 +564,9 @@ class DistributedDataset(_DistributedBase):
         """The sharding applied: "FILE", "DATA" or "OFF"."""
         return self._mode
 
+    def _pipeline(self) -> List[Any]:
+        return [self._dataset._node]
+
     def _make_steps(self) -> Iterator[List[Any]]:
         info = self._info
         if self._mode == DATA:
@@ -588,6 +635,9 @@ class DistributedDatasetsFromFunction(_DistributedBase):
             error = exc
         _agree_at_construction(info, error)
         self._info, self._options, self._datasets = info, opts, datasets
+
+    def _pipeline(self) -> List[Any]:
+        return [d._node for d in self._datasets]
 
     def _make_steps(self) -> Iterator[List[Any]]:
         steps = function_steps([iter(d) for d in self._datasets], self._info.num_local_replicas)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mpistrat.data.iterator_state import SaveableIterator
 from mpistrat.distribute import context
 from mpistrat.train.checkpoint_file import (
     CheckpointError,
@@ -26,6 +27,9 @@ from mpistrat.train.checkpoint_file import (
 )
 
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointManager", "latest_checkpoint"]
+
+
+ITERATORS_KEY = "mpistrat.iterators"  # the metadata entry holding tracked iterators' positions
 
 
 def _is_variable(x: Any) -> bool:
@@ -81,7 +85,11 @@ class Checkpoint:
     ``Checkpoint(model=model, optimizer=optimizer, step=step)``: each keyword
     names a variable, a list or dict of variables, or an object with a
     ``variables`` attribute (``MLP``, optimizers). Variables are saved under
-    ``"<keyword>/<variable name>"``.
+    ``"<keyword>/<variable name>"``. A keyword may name a distributed
+    iterator instead: its position (steps taken, shuffle seeds and epochs)
+    is saved in the manifest's metadata under ``"mpistrat.iterators"`` and
+    restored by re-seeding and fast-forwarding a fresh iterator, so a resumed
+    run sees the same next batches (a ``from_generator`` source raises).
 
     A checkpoint is one ``.npz`` file (a zip of ``.npy`` members, each with a
     CRC-32) holding every variable's value and a JSON manifest (names,
@@ -109,7 +117,8 @@ class Checkpoint:
         """Name -> variable, for everything tracked (built optimizers' slots included)."""
         out: dict = {}
         for key, obj in self._objects.items():
-            _collect(key, obj, out)
+            if not isinstance(obj, SaveableIterator):
+                _collect(key, obj, out)
         if not out:
             raise ValueError("Checkpoint: the tracked objects hold no variables yet (build the optimizer first)")
         return out
@@ -146,6 +155,9 @@ class Checkpoint:
         strategy, comm = self._strategy_and_comm(variables)
         with self._cross_replica(strategy):
             arrays = [np.array(v.numpy(), order="C") for v in variables.values()]
+        positions = {key: it._state() for key, it in self._iterators().items()}  # collective
+        if positions:
+            metadata = {**(metadata or {}), ITERATORS_KEY: positions}
         error = None
         if comm is None or comm.rank == 0:
             try:
@@ -188,11 +200,22 @@ class Checkpoint:
             if comm.rank != 0:
                 arrays = [np.empty(*expected[e["name"]]) for e in manifest["variables"]]
             arrays = comm.broadcast(arrays, root=0)
+        metadata = dict(manifest["metadata"])
+        positions = metadata.pop(ITERATORS_KEY, {})
+        for key in self._iterators():  # the same manifest on every rank: raised on all, before any change
+            if key not in positions:
+                raise CheckpointError(f"Checkpoint {save_path!r} holds no position for the iterator {key!r}")
         by_name = {e["name"]: a for e, a in zip(manifest["variables"], arrays)}
         with self._cross_replica(strategy):
             for name, var in variables.items():
                 var.assign(by_name[name])
-        return dict(manifest["metadata"])
+        for key, it in self._iterators().items():
+            it._restore(positions[key])
+        return metadata
+
+    def _iterators(self) -> dict:
+        """Keyword -> tracked input iterator (``Checkpoint(iterator=iter(dist_dataset))``)."""
+        return {k: o for k, o in self._objects.items() if isinstance(o, SaveableIterator)}
 
     read = restore
 
