@@ -55,6 +55,18 @@ def test_resume_in_a_later_pass(tmp_path):
     _save_and_resume(ms.OneDeviceStrategy("/cpu:0"), str(tmp_path / "it.npz"), k=5, passes_before=1)
 
 
+def test_exhausted_iterator_restores_exhausted(tmp_path):
+    strategy = ms.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        w = ms.Variable(np.arange(3.0), name="w")
+    it = iter(_pipeline(strategy))
+    assert len(list(it)) == 24
+    path = Checkpoint(model=w, iterator=it).write(str(tmp_path / "end.npz"))
+    fresh = iter(_pipeline(strategy))
+    Checkpoint(model=w, iterator=fresh).restore(path)
+    assert list(fresh) == []
+
+
 def test_inspect_shows_the_position(tmp_path):
     strategy = ms.OneDeviceStrategy("/cpu:0")
     with strategy.scope():

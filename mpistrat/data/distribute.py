@@ -454,7 +454,10 @@ class DistributedIterator(SaveableIterator):
         set_random_state(self._nodes, random[self._info.worker_index])
         self.__init__(*self._args)  # type: ignore[misc]  # a new pass from the restored seeds and epochs
         for _ in range(int(state["steps"])):
-            self._next()
+            try:
+                self._next()
+            except StopIteration:  # saved at the end of its pass: the restored iterator is at its end too
+                break
 
     def _finish(self) -> None:
         self._finished = True
