@@ -24,8 +24,11 @@ if resolver.task_type in ("ps", "worker"):
     print(f"{resolver.task_type} {resolver.task_id} returned from join", flush=True)
     sys.exit(0)
 
-from mpistrat.coordinator import ClusterCoordinator, experimental_get_current_worker_index  # noqa: E402
-from mpistrat.errors import CancelledError, UnavailableError  # noqa: E402
+from mpistrat.coordinator import (
+    ClusterCoordinator,
+    experimental_get_current_worker_index,
+)
+from mpistrat.errors import CancelledError, UnavailableError
 
 cases = sys.argv[1].split(",")
 num_ps = resolver.num_ps
@@ -183,7 +186,9 @@ if "datasets" in cases:  # each worker reads its own shard (InputContext(num_wor
     ok("datasets")
 
 if "staleness" in cases:  # staleness 0: synchronous rounds, so a slow worker runs as many functions as a fast one
-    from mpistrat.distribute.parameter_server.coordinator import ClusterCoordinator as CC
+    from mpistrat.distribute.parameter_server.coordinator import (
+        ClusterCoordinator as CC,
+    )
 
     strategy._coordinator = None
     ssp = CC(strategy, staleness=0)
@@ -197,6 +202,12 @@ if "staleness" in cases:  # staleness 0: synchronous rounds, so a slow worker ru
     ssp.join()
     counts = np.bincount([v.fetch() for v in ran], minlength=num_workers).tolist()
     assert counts == [6] * num_workers, counts
+    strategy._coordinator = None
+    bounded = CC(strategy, staleness=1)  # a worker starts its function k only after every worker finished k - 2
+    ran = [bounded.schedule(record, args=(k,)) for k in range(6 * num_workers)]
+    bounded.join()
+    counts = np.bincount([v.fetch() for v in ran], minlength=num_workers).tolist()
+    assert max(counts) - min(counts) <= 2, counts  # at most s + 1 apart; unbounded, the fast worker runs far more
     strategy._coordinator = None
     free = CC(strategy)  # TF's asynchronous scheduling: the fast worker runs more of them
     ran = [free.schedule(record, args=(k,)) for k in range(6 * num_workers)]
@@ -212,7 +223,8 @@ if "unavailable" in cases:  # a ps stopped for real (SIGSTOP): the coordinator's
     with strategy.scope():
         w = ms.Variable(1.0)  # on ps 0 (the placement counter restarted with this run's variables)
     w_ps = int(w.device.split("task:")[1].split("/")[0])
-    pid = int(open(os.path.join(os.environ["PS_PID_DIR"], f"ps{w_ps}")).read())
+    with open(os.path.join(os.environ["PS_PID_DIR"], f"ps{w_ps}")) as f:
+        pid = int(f.read())
     rt = protocol.runtime()
     rt.timeout_seconds, saved = 2.0, rt.timeout_seconds
     os.kill(pid, signal.SIGSTOP)
@@ -239,7 +251,7 @@ if "optimizer" in cases:  # slots and iterations built on the chief live on the 
             opt.build([w])
         assert all(type(v).__name__ == "RemoteVariable" for v in opt.variables), opt.variables
 
-        def apply(g):
+        def apply(g, opt=opt, w=w):
             opt.apply_gradients([(g, w)])
 
         for g in grads:  # one at a time, so the expected values are a sequential run's

@@ -8,7 +8,7 @@ import pytest
 import mpistrat as ms
 from mpistrat.cluster_resolver import SlurmClusterResolver
 
-FOUR_TASKS = dict(SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_STEP_NODELIST="n1,n2")
+FOUR_TASKS = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "n1,n2"}
 
 
 @pytest.fixture
