@@ -289,6 +289,11 @@ if "save" in cases or "restore" in cases:  # a checkpoint of ps-held variables, 
     ckpt = ms.Checkpoint(emb=emb, steps=steps)
     path = os.path.join(os.environ["PS_CKPT_DIR"], "ps.npz")
     if "restore" in cases:
+        manager = ms.CheckpointManager(ckpt, os.path.join(os.environ["PS_CKPT_DIR"], "managed"), max_to_keep=2)
+        ckpt.restore(manager.latest_checkpoint)  # the manager's copy of the same state
+        assert int(steps.numpy()) == 10 and (emb.numpy() == 10).all(), (steps.numpy(), emb.numpy())
+        emb.assign(np.zeros((13, 2), np.float32))
+        steps.assign(0)
         ckpt.restore(path)
         assert int(steps.numpy()) == 10 and (emb.numpy() == 10).all(), (steps.numpy(), emb.numpy())
     for _ in range(10):
@@ -296,6 +301,9 @@ if "save" in cases or "restore" in cases:  # a checkpoint of ps-held variables, 
     coordinator.join()
     if "save" in cases:
         ckpt.write(path)
+        manager = ms.CheckpointManager(ckpt, os.path.join(os.environ["PS_CKPT_DIR"], "managed"), max_to_keep=2)
+        saved = manager.save()
+        assert manager.latest_checkpoint == saved, (manager.latest_checkpoint, saved)
     done = 20 if "restore" in cases else 10
     assert int(steps.numpy()) == done and (emb.numpy() == done).all()
     ok("restore" if "restore" in cases else "save")
