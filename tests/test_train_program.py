@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from mpistrat.train.checkpoint_file import member_name
 from terminal import run_on_terminal
 
 from mpistrat.examples import digits as D
@@ -61,7 +63,7 @@ def _final_accuracy(out: str) -> float:
 def _arrays(path: str) -> dict:
     with np.load(path, allow_pickle=False) as z:
         manifest = json.loads(bytes(z["__manifest__"]).decode())
-        return {e["name"]: z[f"v{i}"] for i, e in enumerate(manifest["variables"])}
+        return {e["name"]: z[member_name(e["name"])] for e in manifest["variables"]}  # members named by variable
 
 
 @pytest.fixture(scope="module")
