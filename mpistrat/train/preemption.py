@@ -67,6 +67,7 @@ class PreemptionCheckpointHandler:
             raise TypeError(f"checkpoint_or_checkpoint_manager must be a Checkpoint or a CheckpointManager, got "
                             f"{type(given).__name__}")
         self._comm = (cluster_resolver.comm if cluster_resolver is not None else None) or MPI.COMM_WORLD
+        self._max = MPI.MAX  # the per-step agreement's op (MPI loaded here, not on every step)
         self._config = termination_config or TerminationConfig()
         self._flag = np.zeros(1, np.int32)
         self._agreed = np.zeros(1, np.int32)
@@ -97,9 +98,7 @@ class PreemptionCheckpointHandler:
         watcher = self._config.termination_watcher_fn
         told = self._received or (watcher is not None and bool(watcher()))
         self._flag[0] = int(told)
-        from mpi4py import MPI  # noqa: PLC0415
-
-        self._comm.Allreduce(self._flag, self._agreed, op=MPI.MAX)
+        self._comm.Allreduce(self._flag, self._agreed, op=self._max)
         return bool(self._agreed[0])
 
     def save_checkpoint_if_preempted(self) -> None:

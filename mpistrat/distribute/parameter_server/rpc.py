@@ -51,21 +51,24 @@ def call(rt: Runtime, dest: int, request: tuple, what: str) -> Any:
     seq = next(_seq)
     _sends[:] = [r for r in _sends if not r.Test()]
     send = rt.comm.isend((seq, request), dest=dest, tag=TAG_PS)
-    _sends.append(send)
     # A large request moves in several steps, each needing this rank in MPI: poll without sleeping until
     # it is out (a stopped receiver still ends in the timeout), then wait for the answer, idle.
     deadline = time.monotonic() + rt.timeout_seconds
     if not BUSY.until(send.Test, rt.timeout_seconds):
-        raise UnavailableError(f"{what}: rank {dest} did not take the request within {rt.timeout_seconds:g} s "
-                               "(timeout_seconds of ParameterServerStrategy); it may be stopped or overloaded")
+        _sends.append(send)  # still in flight: kept alive until MPI is done with it
+        raise _unavailable(rt, dest, what, "take the request")
     while True:
         got = wait_message(rt.comm, dest, TAG_REPLY, max(deadline - time.monotonic(), 0.0))
         if got is None:
-            raise UnavailableError(f"{what}: rank {dest} did not answer within {rt.timeout_seconds:g} s "
-                                   "(timeout_seconds of ParameterServerStrategy); it may be stopped or overloaded")
+            raise _unavailable(rt, dest, what, "answer")
         (answer_seq, (status, value)), _ = got
         if answer_seq != seq:
             continue  # the late answer of a request that timed out
         if status == "error":
             raise value
         return value
+
+
+def _unavailable(rt: Runtime, dest: int, what: str, did_not: str) -> UnavailableError:
+    return UnavailableError(f"{what}: rank {dest} did not {did_not} within {rt.timeout_seconds:g} s "
+                            "(timeout_seconds of ParameterServerStrategy); it may be stopped or overloaded")
