@@ -13,6 +13,7 @@ __all__ = ["as_array", "as_arrays", "python_default_dtype", "kind_change_error"]
 
 # Every native-byte-order dtype mpistrat computes with: bool, integers, floating point, complex.
 _NATIVE_NUMERIC = frozenset(np.dtype(code) for code in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"])
+NATIVE_NUMERIC = _NATIVE_NUMERIC  # the dtypes as_arrays passes through unconverted
 _NUMERIC_KINDS = frozenset("biufc")
 _PYTHON_SCALARS = (bool, int, float, complex)
 _NDARRAY_ONLY = {np.ndarray}

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat import config, ops, timeline
-from mpistrat.comm.agreement.call import CHECKED, CallAgreement, check_aux, choose_mode, require_same_pack
+from mpistrat.comm.agreement.call import CHECKED, FOLD, CallAgreement, FoldedCheck, check_aux, choose_mode, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
 from mpistrat.comm.agreement.signatures import CallKey, fingerprint
 from mpistrat.comm.deterministic import replicas_error, reproducible_sum
@@ -270,10 +270,46 @@ class RankCommunicator:
             if _plain_array(a):
                 plan = self._planner.singles.get((op, divisor, a.shape, a.dtype, type(a)))
                 if plan is not None and self._worker is None and self.size > 1 and not timeline.enabled():
+                    if plan.folded is not None:
+                        return [self._run_folded(plan, a)]
                     return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
         if self.options.deterministic or getattr(options, "deterministic", False):
             return self._deterministic(arrays, op, options, inplace, divisor, structure)
         return self._allreduce(arrays, op, options, inplace, divisor, structure)
+
+    def allreduce_repeat(self, a: np.ndarray, op: str) -> np.ndarray | None:
+        """``allreduce([a], op)[0]`` when it repeats an earlier such call of a NumPy array (``op`` spelled as
+        then: ``"sum"``, ``"min"``, ``"max"``), else None: the caller then calls :meth:`allreduce`.
+
+        The steady state of a training step's reductions: the plan, key, fingerprint and hook were made
+        with the first call, and where the check folds into the transport's synchronisation (one node,
+        small arrays) the call is the pool's result, the transport and the check, each called once.
+        The check still runs on every call, before any data is combined."""
+        plan = self._planner.singles.get((op, None, a.shape, a.dtype, np.ndarray))
+        if plan is None or self.size == 1 or self._worker is not None or timeline.enabled():
+            return None
+        if plan.folded is None:
+            return self._execute(plan, [a], False, plan.repeat_mode, self._timeout, self._pack)[0]
+        return self._run_folded(plan, a)
+
+    def _run_folded(self, plan: Plan, a: Any) -> Any:
+        """A repeated call of one host array whose check folds into its transport's synchronisation
+        (``plan.folded``): ``_execute`` and ``run_steps`` for that case, in one frame; the result."""
+        folded = plan.folded
+        guard = self._guard
+        if guard.broken is not None:  # before staging: peers may still read this rank's last data
+            guard.require_usable()
+        step = plan.steps[0]
+        folded.pending = True
+        try:
+            dst = step.pool.get()[1][0]
+            step.transport.allreduce_array(a if a.flags.c_contiguous else np.ascontiguousarray(a), dst, plan.op,
+                                           folded)
+        except BaseException as exc:
+            folded.fail(exc)
+        if folded.pending:
+            folded.fail(RuntimeError(f"transport {type(step.transport).__name__} never called its agreement hook"))
+        return dst
 
     def _deterministic(self, arrays: Sequence[Any], op: Any, options: CommunicationOptions | None, inplace: bool,
                        divisor: int | None, structure: str | None) -> list:
@@ -371,6 +407,8 @@ class RankCommunicator:
             if first is not None:
                 plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
                                                first.transport.folds_agreement)
+                if plan.repeat_mode == FOLD and len(plan.steps) == 1 and first.direct and not inplace:
+                    plan.folded = FoldedCheck(self._agreement, key, h, self._timeout, self._pack)
             mode = CHECKED
         if _plain_array(single) and type(op) is str and structure is None:
             self._planner.file_single(op, divisor, single, plan)

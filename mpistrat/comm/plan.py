@@ -65,7 +65,7 @@ class Plan:
     nothing and chooses nothing.
     """
 
-    __slots__ = ("steps", "nbytes", "op", "key", "h", "repeat_mode")
+    __slots__ = ("steps", "nbytes", "op", "key", "h", "repeat_mode", "folded")
 
     def __init__(self, steps: list[Step], op: str) -> None:
         self.steps = steps
@@ -74,6 +74,7 @@ class Plan:
         self.key: tuple = ()
         self.h = 0
         self.repeat_mode = 0
+        self.folded: Any = None  # a one-array FOLD plan's FoldedCheck (communicator.allreduce_repeat)
 
 
 class Planner:

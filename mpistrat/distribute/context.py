@@ -82,6 +82,12 @@ def current_frame() -> Frame:
     return _default()
 
 
+def entered() -> bool:
+    """Whether this thread has entered a frame or a strategy is set for every thread (else the current
+    frame is the default one)."""
+    return bool(_state.stack) or _global_frame is not None
+
+
 def push(frame: Frame) -> None:
     """Enter a frame on this thread."""
     _state.stack.append(frame)

@@ -147,10 +147,18 @@ class ReplicaContext:
 
     def all_reduce(self, reduce_op: "ReduceOp | str", value: Any, options: Any = None) -> Any:
         """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""
-        self._require_current()
+        if context.current_frame().replica_context is not self:
+            self._require_current()  # raises
         op = ReduceOp.from_string(reduce_op)
-        ext = self._strategy.extended
-        if type(value) is np.ndarray and self._rendezvous.n == 1:  # the hot case: nothing to walk or rebuild
+        ext = self._strategy._extended
+        if options is None and self._rendezvous.n == 1:  # the hot case: one array (or a list of one), a repeat
+            kind = type(value)
+            a = value if kind is np.ndarray else value[0] if kind is list and len(value) == 1 else None
+            if type(a) is np.ndarray:
+                out = ext._cross_device_ops.all_reduce_repeat(op, a)
+                if out is not None:
+                    return out if a is value else [out]
+        if type(value) is np.ndarray and self._rendezvous.n == 1:  # nothing to walk or rebuild
             return ext._cross_device_ops._all_reduce_alone(op, [value], ext._local_devices, options)[0]
         flat = _replica_leaves("all_reduce", value)
         structure = _structure(value, flat)

@@ -565,11 +565,16 @@ class Strategy:
         if traced:
             start = timeline.now_us()
         try:
-            if ext._num_local == 1 and not ext._group.in_step():
-                # The common multi-worker step: this thread is the one replica, and a cross-replica frame
-                # pushed under the replica's own frame would never be seen: only the scope's rules are checked.
-                _scope_needs_frame(self)
-                return ext._run_solo(fn, args, kwargs)
+            # The common multi-worker step: this thread is the one replica, and a cross-replica frame
+            # pushed under the replica's own frame would never be seen: only the scope's rules are checked.
+            # A thread with no frame entered is in no step (a step pushes its replica's frame) and in the
+            # default frame, where no scope rule can fail.
+            if ext._num_local == 1:
+                if not context.entered():
+                    return ext._run_solo(fn, args, kwargs)
+                if not ext._group.in_step():
+                    _scope_needs_frame(self)
+                    return ext._run_solo(fn, args, kwargs)
             frame = _enter_scope(self)  # what `with self.scope()` does, without the scope object
             try:
                 return ext.call_for_each_replica(fn, args, kwargs)

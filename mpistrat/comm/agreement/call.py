@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -16,8 +16,8 @@ from mpistrat.comm.agreement.signatures import CallKey
 from mpistrat.comm.errors import CollectiveMismatchError
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook
 
-__all__ = ["FIRST", "OVERLAP", "FOLD", "CHECKED", "OVERLAP_MAX_BYTES", "STAGED_FIRST", "CallAgreement", "check_aux",
-           "choose_mode", "require_same_pack"]
+__all__ = ["FIRST", "OVERLAP", "FOLD", "CHECKED", "OVERLAP_MAX_BYTES", "STAGED_FIRST", "CallAgreement", "FoldedCheck",
+           "check_aux", "choose_mode", "require_same_pack"]
 
 FIRST, OVERLAP, FOLD = 0, 1, 2
 CHECKED = 3  # the call's check already ran (a call not planned before is checked, then planned)
@@ -193,3 +193,36 @@ class CallAgreement(AgreementHook):
         self.span = (t0, t1)
         assert self.guard is not None
         timeline.record("check", "check", t0, t1 - t0, call=key[0], seq=self.guard.seq)
+
+
+class FoldedCheck(AgreementHook):
+    """The hook of one plan's repeated ``FOLD`` calls (the communicator's options): key, fingerprint, timeout
+    and ``aux`` fixed with the plan, so a call sets :attr:`pending` and the transport's :meth:`staged` runs
+    the check. :class:`CallAgreement`'s ``begin``/``staged``/``end`` for that case, with nothing to unpack."""
+
+    __slots__ = ("_agreement", "_key", "_h", "_timeout", "_aux", "pending")
+
+    def __init__(self, agreement: CallAgreement, key: CallKey, h: int, timeout: float, pack_bytes: int) -> None:
+        self._agreement = agreement
+        self._key, self._h, self._timeout = key, h, timeout
+        self._aux = check_aux(pack_bytes, True)
+        self.pending = False  # set by the caller before the transport, cleared by staged()
+
+    def staged(self, first: bool = True) -> bool:
+        """Run the check once this rank's data is staged; whether every rank staged first."""
+        if not self.pending:
+            raise RuntimeError("the agreement hook was called twice in one all-reduce")
+        self.pending = False
+        guard = self._agreement.guard
+        assert guard is not None
+        aux = self._aux if first else self._aux & ~STAGED_FIRST
+        return require_same_pack(guard.check_aux(self._key, self._timeout, aux, self._h))
+
+    def fail(self, exc: BaseException) -> NoReturn:
+        """The call failed: before the check, every rank is told (:meth:`CallAgreement.fail`); raises."""
+        if not self.pending:
+            raise exc
+        self.pending = False
+        if isinstance(exc, Exception):
+            self._agreement.agree(self._key, self._timeout, error=exc)
+        raise exc

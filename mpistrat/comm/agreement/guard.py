@@ -96,7 +96,6 @@ class AgreementGuard:
         self._recv = np.zeros(3 * self.size, dtype=np.int64)
         self._recv_aux = self._recv[1::3]
         self.aux_values: list[int] = []  # every rank's aux in the last completed check
-        self._list_only = False  # finish() called by check_aux: recv need not hold the aux values
         self.transport = "shm" if all(shm for _, shm in agreed) else "mpi"
         if self.transport == "shm":  # one node: one shared-memory round (shm_allgather.py)
             gather = ShmAllgather(self._ctl, self._send, self._recv)
@@ -139,12 +138,7 @@ class AgreementGuard:
         """:meth:`check`, returning every rank's ``aux`` as a Python list (index = rank) the caller may
         keep: what a caller reading a few values needs, without NumPy's per-item cost."""
         self.start(key, timeout, aux, h)
-        self._list_only = True
-        try:
-            self.finish()
-        finally:
-            self._list_only = False
-        return self.aux_values
+        return self._complete(True)
 
     @property
     def started(self) -> bool:
@@ -201,6 +195,10 @@ class AgreementGuard:
         (``Mismatched allreduce shapes in collective #3: rank 0 sent [(4,), float32]; rank 1 sent
         [(5,), float32]``).
         """
+        return self._complete(False)
+
+    def _complete(self, list_only: bool) -> Any:
+        """:meth:`finish`; with ``list_only``, every rank's ``aux`` as a list (``recv`` is not written)."""
         opened = self._open
         if opened is None:
             raise RuntimeError("AgreementGuard.finish: no check was started")
@@ -244,7 +242,9 @@ class AgreementGuard:
                 self.broken = f"ranks disagreed while closing this communicator ({message})"
             raise CollectiveMismatchError(message, keys)
         self.aux_values = aux = values[first + 1 :: stride]
-        if self._poll is not None and not self._list_only:  # gathered in shared memory: recv holds nothing yet
+        if list_only:
+            return aux
+        if self._poll is not None:  # gathered in shared memory: recv holds nothing yet
             self._recv_aux[:] = aux
         return self._recv_aux
 
@@ -283,7 +283,7 @@ class AgreementGuard:
         self._waiting_for = (req, key, start, start + timeout)
         self._next_stall = start + interval if interval > 0 else float("inf")
         try:
-            if self._waiter.until(req.Test, timeout, tick=self._tick, idle_after=_YIELD_SECONDS):
+            if self._waiter.until(self._poll or req.Test, timeout, tick=self._tick, idle_after=_YIELD_SECONDS):
                 return False
             self._on_timeout(req, key, timeout, start)
             return True

@@ -168,8 +168,9 @@ class SmallShmTransport(Transport):
         slots = views[self._slot][1]
         ufunc = wire.ufunc
         ufunc(slots[0], slots[1], out=out)
-        for slot in slots[2:]:
-            ufunc(out, slot, out=out)
+        if len(slots) > 2:
+            for slot in slots[2:]:
+                ufunc(out, slot, out=out)
         self._slot ^= 1
 
     def _make_views(self, count: int, dtype: Any) -> tuple:

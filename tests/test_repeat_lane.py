@@ -1,0 +1,127 @@
+"""A repeated ``all_reduce`` of one array inside ``strategy.run``: the lean path keeps every result, check and error (2 and 4 ranks)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpistrat as ms
+from mpistrat.comm import CollectiveMismatchError, CollectiveTimeoutError, CommunicationOptions
+
+
+@pytest.fixture
+def strategy(comm, monkeypatch):
+    """The default strategy on one node: small arrays go through ``shm-small`` with the check folded."""
+    monkeypatch.delenv("MPISTRAT_SHM_MIN_BYTES", raising=False)
+    monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
+    monkeypatch.delenv("MPISTRAT_AGREEMENT", raising=False)
+    return ms.MultiWorkerMirroredStrategy()
+
+
+def _reduce(strategy, op, value):
+    return strategy.run(lambda: ms.get_replica_context().all_reduce(op, value))
+
+
+def _plan(strategy, x):
+    rc = strategy.extended._communicator
+    return rc._planner.singles[("sum", None, x.shape, x.dtype, np.ndarray)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("as_list", [False, True])
+def test_repeats_take_the_lean_path_and_every_result_is_a_new_array_kept(strategy, comm, as_list):
+    x = np.full(1000, comm.rank + 1.0, np.float32)
+    first = _reduce(strategy, "sum", [x] if as_list else x)
+    plan = _plan(strategy, x)
+    assert plan.folded is not None  # a one-array call folded into shm-small's handshake
+    total = comm.size * (comm.size + 1) / 2
+    held = []
+    for k in range(6):
+        x[:] = comm.rank + 1.0 + k
+        out = _reduce(strategy, "sum", [x] if as_list else x)
+        assert type(out) is (list if as_list else np.ndarray)
+        r = out[0] if as_list else out
+        assert r is not x and np.all(x == comm.rank + 1.0 + k)  # the input untouched
+        assert np.all(r == total + comm.size * k)
+        held.append(r)
+    for k, r in enumerate(held):  # no later call wrote into a result the caller holds
+        assert np.all(r == total + comm.size * k)
+    assert np.all((first[0] if as_list else first) == total)
+    assert plan.folded.pending is False
+
+
+@pytest.mark.mpi(min_size=2)
+def test_min_max_and_a_non_contiguous_input_on_the_lean_path(strategy, comm):
+    base = np.arange(2000, dtype=np.float64).reshape(1000, 2) * (comm.rank + 1)
+    x = base[:, 0]  # strided
+    for _ in range(3):
+        assert np.array_equal(_reduce(strategy, "max", x), np.arange(0, 2000, 2.0) * comm.size)
+        assert np.array_equal(_reduce(strategy, "min", x), np.arange(0, 2000, 2.0))
+    assert np.array_equal(x, np.arange(0, 2000, 2.0) * (comm.rank + 1))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_mismatch_against_a_repeated_call_raises_on_every_rank_and_leaves_the_strategy_usable(strategy, comm):
+    x = np.ones(300, np.float32)
+    for _ in range(3):
+        _reduce(strategy, "sum", x)
+    odd = comm.rank == comm.size - 1
+    with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce shapes"):
+        _reduce(strategy, "sum", np.ones(301, np.float32) if odd else x)
+    with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce op"):
+        _reduce(strategy, "max" if odd else "sum", x)
+    with pytest.raises(CollectiveMismatchError):  # SUM against MEAN: the logical op is checked too
+        _reduce(strategy, "mean" if odd else "sum", x)
+    assert np.all(_reduce(strategy, "sum", x) == comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_error_before_the_check_on_one_rank_raises_on_every_rank(strategy, comm):
+    x = np.ones(500, np.float32)
+    for _ in range(2):
+        _reduce(strategy, "sum", x)
+    pool = _plan(strategy, x).steps[0].pool
+    if comm.rank == 0:
+        def broken():
+            raise MemoryError("no result memory")
+        pool.get = broken  # this rank fails while staging, before its check
+    try:  # every rank raises, naming rank 0's error: no rank waits for the data
+        with pytest.raises(CollectiveMismatchError, match="rank 0 sent error=MemoryError: no result memory"):
+            _reduce(strategy, "sum", x)
+    finally:
+        pool.__dict__.pop("get", None)
+    assert np.all(_reduce(strategy, "sum", x) == comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_late_rank_times_out_the_ranks_waiting_on_the_lean_path(comm, monkeypatch):
+    monkeypatch.delenv("MPISTRAT_SHM_MIN_BYTES", raising=False)
+    monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
+    strategy = ms.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=1.0))
+    x = np.ones(64, np.float32)
+    for _ in range(2):
+        _reduce(strategy, "sum", x)
+    assert _plan(strategy, x).folded is not None or strategy.extended._communicator._guard.transport != "shm"
+    late = comm.size - 1
+    if comm.rank == late:
+        time.sleep(3.0)  # past the others' timeout and grace period
+    with pytest.raises(CollectiveTimeoutError) as info:
+        _reduce(strategy, "sum", x)
+    if comm.rank != late:
+        assert info.value.missing_ranks == [late]
+    MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_run_from_a_merge_function_inside_a_lone_replica_step_still_gets_its_own_group(strategy, comm):
+    x = np.ones(8, np.float32)
+
+    def merge_fn(s):
+        return s.run(lambda: ms.get_replica_context().all_reduce("sum", x))
+
+    out = strategy.run(lambda: ms.get_replica_context().merge_call(merge_fn))
+    assert np.all(np.asarray(out) == comm.size)
