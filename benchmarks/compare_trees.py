@@ -3,7 +3,8 @@
     python benchmarks/compare_trees.py --old /path/to/old/checkout --new . [--ranks 2 4] [--runs 5]
 
 Each run starts ``mpiexec -bind-to core -n N python TREE/benchmarks/allreduce.py`` with
-``PYTHONPATH=TREE`` (each tree's own benchmark and library), old and new alternating, ``--runs``
+``PYTHONPATH=TREE`` (each tree's own benchmark and library, also where mpistrat is installed in editable
+mode: ``_tree_shim/sitecustomize.py``; before 2026-11-27 such runs timed the installed tree twice), old and new alternating, ``--runs``
 times per rank count. Every run reports, per size and column, the time and the busbw ratio to raw
 ``Allreduce(IN_PLACE)`` measured in that same run. This script pairs run k of the old tree with run
 k of the new one and prints, per size and column, the median over pairs of two numbers (>= 1: the
@@ -34,7 +35,9 @@ _FUSED = re.compile(r"^\s+(one fused all_reduce in strategy.run|one fused RankCo
 def run_once(tree: str, ranks: int, extra: list[str], mpiexec: str) -> dict[str, tuple[float, float]]:
     """``{"<size> <column>": (ratio to raw, time), ...}`` of one run of ``tree``'s benchmark (fused rows:
     (speed-up over 100 raw calls, time))."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    # _tree_shim first: where mpistrat is installed in editable mode, it makes PYTHONPATH win.
+    shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tree_shim")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([shim, os.path.abspath(tree)]))
     cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable,
            os.path.join(tree, "benchmarks", "allreduce.py")] + extra
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
