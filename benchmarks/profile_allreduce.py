@@ -84,20 +84,26 @@ def stages(path: str, size: int, calls: int) -> list[str]:
     call, strategy = make_call(path, size)
     rc = strategy.extended._communicator
     marks: dict[str, float] = {}
-    order = ["allreduce", "transport", "check.start", "check.start/", "check.finish", "check.finish/",
-             "transport/", "allreduce/"]
+    order = ["allreduce", "repeat", "pool", "pool/", "transport", "check.start", "check.start/", "check.finish",
+             "check.finish/", "check", "check/", "transport/", "repeat/", "allreduce/"]
     _wrap(rc, "allreduce", "allreduce", marks)
+    _wrap(rc, "allreduce_repeat", "repeat", marks)  # the lean path of a repeated call (strategy)
     for t in rc.transports:
         for verb in ("allreduce_array", "allreduce_packed"):
             _wrap(t, verb, "transport", marks)
     if rc._guard is not None:
         _wrap(rc._guard, "start", "check.start", marks)
         _wrap(rc._guard, "finish", "check.finish", marks)
+        _wrap(rc._guard, "check_aux", "check", marks)  # start and finish in one (a folded check)
     buf = np.zeros(size // 4, np.float32)
     raw = lambda: world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)  # noqa: E731
     for _ in range(200):
         call()
         raw()
+    for plan in list(rc._planner.singles.values()):  # planned by now: the result pools of the call
+        for step in plan.steps:
+            if step.pool is not None:
+                _wrap(step.pool, "get", "pool", marks)
     at = np.full((calls, len(order)), np.nan)
     starts, ends, raws = np.zeros(calls), np.zeros(calls), np.zeros(calls)
     for i in range(calls):

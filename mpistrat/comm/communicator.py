@@ -268,34 +268,28 @@ class RankCommunicator:
             # fingerprint are filed by what the call is made of, so nothing is built or hashed but that.
             a = arrays[0]
             if _plain_array(a):
-                plan = self._planner.singles.get((op, divisor, a.shape, a.dtype, type(a)))
-                if plan is not None and self._worker is None and self.size > 1 and not timeline.enabled():
-                    if plan.folded is not None:
-                        return [self._run_folded(plan, a)]
-                    return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
+                result = self.allreduce_repeat(a, op, divisor)
+                if result is not None:
+                    return [result]
         if self.options.deterministic or getattr(options, "deterministic", False):
             return self._deterministic(arrays, op, options, inplace, divisor, structure)
         return self._allreduce(arrays, op, options, inplace, divisor, structure)
 
-    def allreduce_repeat(self, a: np.ndarray, op: str) -> np.ndarray | None:
-        """``allreduce([a], op)[0]`` when it repeats an earlier such call of a NumPy array (``op`` spelled as
-        then: ``"sum"``, ``"min"``, ``"max"``), else None: the caller then calls :meth:`allreduce`.
+    def allreduce_repeat(self, a: Any, op: str, divisor: int | None = None) -> Any:
+        """``allreduce([a], op, divisor=divisor)[0]`` when it repeats an earlier such call of a NumPy or CuPy
+        array (``op`` spelled as then), else None: the caller then calls :meth:`allreduce`.
 
         The steady state of a training step's reductions: the plan, key, fingerprint and hook were made
-        with the first call, and where the check folds into the transport's synchronisation (one node,
-        small arrays) the call is the pool's result, the transport and the check, each called once.
-        The check still runs on every call, before any data is combined."""
-        plan = self._planner.singles.get((op, None, a.shape, a.dtype, np.ndarray))
+        with the first call. Where the check folds into the transport's synchronisation (``FOLD``: one
+        node, host arrays up to 4 MiB) the plan's :class:`FoldedCheck` is the hook, and the call is the
+        pool's result, the transport and the check, each called once (``_execute`` and ``run_steps`` for
+        that case). The check still runs on every call, before any data is combined."""
+        plan = self._planner.singles.get((op, divisor, a.shape, a.dtype, type(a)))
         if plan is None or self.size == 1 or self._worker is not None or timeline.enabled():
             return None
-        if plan.folded is None:
-            return self._execute(plan, [a], False, plan.repeat_mode, self._timeout, self._pack)[0]
-        return self._run_folded(plan, a)
-
-    def _run_folded(self, plan: Plan, a: Any) -> Any:
-        """A repeated call of one host array whose check folds into its transport's synchronisation
-        (``plan.folded``): ``_execute`` and ``run_steps`` for that case, in one frame; the result."""
         folded = plan.folded
+        if folded is None:
+            return self._execute(plan, [a], False, plan.repeat_mode, self._timeout, self._pack)[0]
         guard = self._guard
         if guard.broken is not None:  # before staging: peers may still read this rank's last data
             guard.require_usable()

@@ -202,14 +202,14 @@ class CrossDeviceOps:
             op = ReduceOp.from_string(reduce_op)
             comm.allreduce([], op.wire, options, divisor=self._divisor(op, max(num_local, 1)), structure=structure)
 
-    def all_reduce_repeat(self, reduce_op: ReduceOp, a: np.ndarray) -> np.ndarray | None:
-        """``_all_reduce_alone(reduce_op, [a], devices)[0]`` for the one local replica's SUM, MIN or MAX of one
-        native NumPy array when it repeats an earlier such call (``RankCommunicator.allreduce_repeat``),
-        else None: the caller then takes the general path."""
+    def all_reduce_repeat(self, wire: str, a: np.ndarray) -> np.ndarray | None:
+        """``_all_reduce_alone(op, [a], devices)[0]`` for the one local replica's SUM, MIN or MAX (``wire``:
+        ``"sum"``, ``"min"``, ``"max"``) of one native NumPy array when it repeats an earlier such call
+        (``RankCommunicator.allreduce_repeat``), else None: the caller then takes the general path."""
         comm = self._communicator
-        if comm is None or self.check_numerics or reduce_op is ReduceOp.MEAN or a.dtype not in _NATIVE:
+        if comm is None or self.check_numerics or a.dtype not in _NATIVE:
             return None
-        return comm.allreduce_repeat(a, reduce_op.wire)
+        return comm.allreduce_repeat(a, wire)
 
     def _all_reduce_alone(self, reduce_op: ReduceOp, leaves: list, devices: Sequence[str], options: Any = None,
                           structure: str | None = None) -> list:

@@ -24,6 +24,12 @@ from mpistrat.distribute.variables import check_same_creation
 __all__ = ["ReplicaContext"]
 
 
+# The logical ops a lone replica's repeated all-reduce takes straight to the communicator, by every
+# spelling ReduceOp.from_string takes exactly: their wire op (MEAN divides afterwards: the general path).
+_REPEAT_WIRE = {spelling: op.wire for op in (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX)
+                for spelling in (op, op.value, op.value.lower())}
+_OP_TYPES = (str, ReduceOp)  # hashable spellings of an op
+
 class ReplicaContext:
     """The context of one replica inside ``Strategy.run``."""
 
@@ -149,15 +155,16 @@ class ReplicaContext:
         """Reduce ``value`` (a nested structure of arrays/scalars) across all replicas."""
         if context.current_frame().replica_context is not self:
             self._require_current()  # raises
-        op = ReduceOp.from_string(reduce_op)
         ext = self._strategy._extended
         if options is None and self._rendezvous.n == 1:  # the hot case: one array (or a list of one), a repeat
             kind = type(value)
             a = value if kind is np.ndarray else value[0] if kind is list and len(value) == 1 else None
-            if type(a) is np.ndarray:
-                out = ext._cross_device_ops.all_reduce_repeat(op, a)
+            if type(a) is np.ndarray and type(reduce_op) in _OP_TYPES:
+                wire = _REPEAT_WIRE.get(reduce_op)  # SUM, MIN, MAX spelled as ReduceOp.from_string takes them
+                out = None if wire is None else ext._cross_device_ops.all_reduce_repeat(wire, a)
                 if out is not None:
                     return out if a is value else [out]
+        op = ReduceOp.from_string(reduce_op)
         if type(value) is np.ndarray and self._rendezvous.n == 1:  # nothing to walk or rebuild
             return ext._cross_device_ops._all_reduce_alone(op, [value], ext._local_devices, options)[0]
         flat = _replica_leaves("all_reduce", value)
