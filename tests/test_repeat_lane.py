@@ -125,3 +125,44 @@ def test_a_run_from_a_merge_function_inside_a_lone_replica_step_still_gets_its_o
 
     out = strategy.run(lambda: ms.get_replica_context().merge_call(merge_fn))
     assert np.all(np.asarray(out) == comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_an_interrupt_right_after_posting_the_folded_check_breaks_that_rank_only_after_its_peers_finish(comm,
+                                                                                                       monkeypatch):
+    # The lean check posts its round and spins in one call (ShmAllgather.exchange): an interrupt there
+    # leaves the round out, so the rank must refuse every later call, as after an interrupted wait.
+    from mpistrat.comm import RankCommunicator
+    from mpistrat.comm.errors import CommunicatorBrokenError
+
+    monkeypatch.delenv("MPISTRAT_SHM_MIN_BYTES", raising=False)
+    monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
+    monkeypatch.delenv("MPISTRAT_AGREEMENT", raising=False)
+    rc = RankCommunicator(comm, CommunicationOptions(timeout_seconds=2))
+    try:
+        for _ in range(2):
+            rc.allreduce([np.ones(256)], "sum")  # planned: the next calls take the lean check
+        guard = rc._guard
+        if guard._exchange is None:
+            pytest.skip("the check goes over MPI here (MPISTRAT_AGREEMENT=mpi)")
+        if comm.rank == 1:
+            exchange = guard._exchange
+
+            def interrupted(h, aux, deadline, spins):
+                exchange(h, aux, deadline, -1)  # posted, not yet complete
+                raise KeyboardInterrupt
+
+            guard._exchange = interrupted
+            with pytest.raises(KeyboardInterrupt):
+                rc.allreduce([np.full(256, 10.0)], "sum")
+            assert guard.broken and "interrupted on rank 1" in guard.broken
+            with pytest.raises(CommunicatorBrokenError, match="interrupted on rank 1"):
+                rc.allreduce([np.ones(256)], "sum")
+        else:
+            expected = 10 + sum(1.0 for r in range(comm.size) if r != 1)
+            assert np.all(rc.allreduce([np.ones(256)], "sum")[0] == expected)
+            with pytest.raises(CollectiveTimeoutError, match="rank 1"):
+                rc.allreduce([np.ones(256)], "sum")
+    finally:
+        rc.close()  # every guard is broken by now: local clean-up only

@@ -29,7 +29,7 @@ from mpistrat.comm.runtime.lifetime import Resources, release_dropped, track
 from mpistrat.comm.runtime.topology import topology
 from mpistrat.comm.signature import CAI, CUPY, HOST, allreduce_signature
 from mpistrat.comm.transport import table
-from mpistrat.comm.transport.base import NO_AGREEMENT, Transport, TransportContext
+from mpistrat.comm.transport.base import NO_AGREEMENT, RepeatTransport, Transport, TransportContext
 from mpistrat.comm.transport.buffers import GrowableBuffers
 from mpistrat.comm.transport.cuda import DeviceMpiTransport, mpi_cuda_support
 from mpistrat.comm.transport.mpi import MpiTransport, mpi_datatype
@@ -294,11 +294,15 @@ class RankCommunicator:
         if guard.broken is not None:  # before staging: peers may still read this rank's last data
             guard.require_usable()
         step = plan.steps[0]
+        prepared = plan.prepared
         folded.pending = True
         try:
             dst = step.pool.get()[1][0]
-            step.transport.allreduce_array(a if a.flags.c_contiguous else np.ascontiguousarray(a), dst, plan.op,
-                                           folded)
+            src = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+            if prepared is not None:
+                step.transport.allreduce_prepared(prepared, src, dst, folded.staged)
+            else:
+                step.transport.allreduce_array(src, dst, plan.op, folded)
         except BaseException as exc:
             folded.fail(exc)
         if folded.pending:
@@ -403,6 +407,9 @@ class RankCommunicator:
                                                first.transport.folds_agreement)
                 if plan.repeat_mode == FOLD and len(plan.steps) == 1 and first.direct and not inplace:
                     plan.folded = FoldedCheck(self._agreement, key, h, self._timeout, self._pack)
+                    if isinstance(first.transport, RepeatTransport):
+                        a = arrays[first.members[0]]
+                        plan.prepared = first.transport.prepare_array(a.shape, a.dtype, plan.op)
             mode = CHECKED
         if _plain_array(single) and type(op) is str and structure is None:
             self._planner.file_single(op, divisor, single, plan)

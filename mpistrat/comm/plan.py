@@ -65,7 +65,7 @@ class Plan:
     nothing and chooses nothing.
     """
 
-    __slots__ = ("steps", "nbytes", "op", "key", "h", "repeat_mode", "folded")
+    __slots__ = ("steps", "nbytes", "op", "key", "h", "repeat_mode", "folded", "prepared")
 
     def __init__(self, steps: list[Step], op: str) -> None:
         self.steps = steps
@@ -75,6 +75,7 @@ class Plan:
         self.h = 0
         self.repeat_mode = 0
         self.folded: Any = None  # a one-array FOLD plan's FoldedCheck (communicator.allreduce_repeat)
+        self.prepared: Any = None  # and, where its transport is a RepeatTransport, what it prepared
 
 
 class Planner:

@@ -200,10 +200,11 @@ class FoldedCheck(AgreementHook):
     and ``aux`` fixed with the plan, so a call sets :attr:`pending` and the transport's :meth:`staged` runs
     the check. :class:`CallAgreement`'s ``begin``/``staged``/``end`` for that case, with nothing to unpack."""
 
-    __slots__ = ("_agreement", "_key", "_h", "_timeout", "_aux", "pending")
+    __slots__ = ("_agreement", "_guard", "_key", "_h", "_timeout", "_aux", "pending")
 
     def __init__(self, agreement: CallAgreement, key: CallKey, h: int, timeout: float, pack_bytes: int) -> None:
         self._agreement = agreement
+        self._guard = agreement.guard
         self._key, self._h, self._timeout = key, h, timeout
         self._aux = check_aux(pack_bytes, True)
         self.pending = False  # set by the caller before the transport, cleared by staged()
@@ -213,10 +214,11 @@ class FoldedCheck(AgreementHook):
         if not self.pending:
             raise RuntimeError("the agreement hook was called twice in one all-reduce")
         self.pending = False
-        guard = self._agreement.guard
-        assert guard is not None
         aux = self._aux if first else self._aux & ~STAGED_FIRST
-        return require_same_pack(guard.check_aux(self._key, self._timeout, aux, self._h))
+        values = self._guard.check_aux(self._key, self._timeout, aux, self._h)
+        if min(values) == max(values):  # every rank the same bucket size, all staged first (or none)
+            return bool(values[0] & STAGED_FIRST)
+        return require_same_pack(values)
 
     def fail(self, exc: BaseException) -> NoReturn:
         """The call failed: before the check, every rank is told (:meth:`CallAgreement.fail`); raises."""

@@ -81,6 +81,9 @@ class AgreementGuard:
         self._query = self._channel.comm
         # Where the machine's ranks outnumber its cores, polls sleep after their yields (waiter).
         self._waiter = topology.waiter
+        # A spin over the shared round words reads one int per turn, about a tenth of a waiter's poll
+        # (a call), so a tenth of the cost per turn: the waiter's spin time, before its set-up.
+        self._spins = topology.waiter.spin * 10
         shm_wanted = settings.agreement == "auto" and topology.one_machine
         if owned is not None:
             owned.free()
@@ -102,6 +105,7 @@ class AgreementGuard:
             self._persistent: Any = gather
             # A completed round is read straight from the shared lines: rank r's values at stride * r + 1..3.
             self._post, self._poll, self._read = gather.post, gather.poll, gather.values
+            self._exchange: Any = gather.exchange
             self._stride, self._first = gather.STRIDE, 1
         else:  # a persistent collective (MPI-4) saves a few microseconds per check
             try:
@@ -109,6 +113,7 @@ class AgreementGuard:
             except (AttributeError, NotImplementedError, MPI.Exception):
                 self._persistent = None
             self._post, self._poll, self._read = self._post_mpi, None, self._recv.tolist
+            self._exchange = None
             self._stride, self._first = 3, 0
         self._qid = 0
         self._grace = settings.timeout_grace_seconds
@@ -137,8 +142,31 @@ class AgreementGuard:
     def check_aux(self, key: CallKey, timeout: float, aux: int = 0, h: int | None = None) -> list[int]:
         """:meth:`check`, returning every rank's ``aux`` as a Python list (index = rank) the caller may
         keep: what a caller reading a few values needs, without NumPy's per-item cost."""
-        self.start(key, timeout, aux, h)
-        return self._complete(True)
+        exchange = self._exchange
+        if exchange is None or self._open is not None or self.broken is not None:
+            self.start(key, timeout, aux, h)  # raises where a check may not start
+            return self._complete(True)
+        # One node's shared-memory round: start, and finish when every rank posts within the spin,
+        # in one frame (every small all-reduce's check); else finish() waits as always.
+        shutdown = self._stall_shutdown
+        if shutdown and shutdown < timeout:
+            timeout = shutdown
+        if h is None:
+            h = fingerprint(key)
+        self.seq += 1
+        arrival = int(time.time() * 1000)
+        deadline = arrival + int(timeout * 1000)
+        self._open = opened = (self._persistent, key, timeout, h, arrival, deadline)
+        try:
+            values = exchange(h, aux, deadline, self._spins)
+        except BaseException as exc:  # KeyboardInterrupt in the spin: the round is out
+            self._interrupted(key, exc)
+            raise
+        if values is None:
+            return self._complete(True)
+        self._open = None
+        now = int(time.time() * 1000)
+        return self._judge(values, opened, False, now, now, True)
 
     @property
     def started(self) -> bool:
@@ -206,23 +234,40 @@ class AgreementGuard:
         self._open = None
         now = 0
         try:
-            if (self._poll or req.Test)():  # complete already: one clock reading serves both questions below
+            # Complete already, or after the waiter's spin over the shared round words (a peer arriving
+            # within it costs no wait set-up): one clock reading serves both questions below.
+            if self._poll(self._spins) if self._poll is not None else req.Test():
                 late = False
                 now = resumed = int(time.time() * 1000)
             else:
                 resumed = int(time.time() * 1000)  # after start(), the caller may have staged without polling
                 late = self._wait(req, key, timeout)
         except BaseException as exc:  # KeyboardInterrupt, a signal handler's error: the round is still open
-            if self.broken is None:
-                self.broken = (f"collective #{self.seq} ({describe_call(key)}) was interrupted on rank "
-                               f"{self.rank} before every rank arrived ({type(exc).__name__})")
+            self._interrupted(key, exc)
             raise
-        if not late and (now or time.time() * 1000) > deadline:
+        completed = now or (0 if late else time.time() * 1000)
+        return self._judge(self._read(), opened, late, resumed, completed, list_only)
+
+    def _interrupted(self, key: CallKey, exc: BaseException) -> None:
+        """A wait for a posted round ended by ``exc``: this guard is broken (the peers may still read it)."""
+        self._open = None
+        if self.broken is None:
+            self.broken = (f"collective #{self.seq} ({describe_call(key)}) was interrupted on rank "
+                           f"{self.rank} before every rank arrived ({type(exc).__name__})")
+
+    def _judge(self, values: list[int], opened: tuple, late: bool, resumed: float, completed: float,
+               list_only: bool) -> Any:
+        """The verdict of a completed round (``values``: every rank's lines, :meth:`_read`; ``resumed``:
+        the clock in ms when this rank came back to the check after staging, ``completed`` when it saw
+        the round complete): deadlines passed, fingerprints differing (a mismatch on every rank); every
+        rank's ``aux``."""
+        _, key, timeout, h, arrival, deadline = opened
+        if not late and completed > deadline:
             # Completed past our deadline, before noticing it (while waiting, or
             # while staging after start): a peer that arrived after the deadline
             # expects a verdict from us.
             self._resolved([r for r in range(self.size) if r != self.rank])
-        values, stride, first = self._read(), self._stride, self._first
+        stride, first = self._stride, self._first
         # A peer whose deadline passed before we arrived has timed out: it
         # sends a verdict (RESOLVED or ABANDON) that we must wait for.
         deadlines = values[first + 2 :: stride]

@@ -74,23 +74,43 @@ class ShmAllgather:
 
     def post(self, h: int, aux: int, deadline: int) -> "ShmAllgather":
         """:meth:`Start` with this rank's three values given (``send`` is not read); returns itself."""
+        self.exchange(h, aux, deadline, -1)
+        return self
+
+    def exchange(self, h: int, aux: int, deadline: int, spins: int) -> list[int] | None:
+        """:meth:`post`, then, unless ``spins`` is negative, :meth:`poll` with ``spins`` and :meth:`values`
+        in the same call: the round's lines when every rank posted within the spin, else None (the
+        caller then polls). A whole round of a small all-reduce's check is this one call."""
         if not self._done:
             raise RuntimeError(f"ShmAllgather.Start: round {self._round} has not completed")
         self._round = current = self._round + 1
-        base = self._mine[current & 1]
+        parity = current & 1
+        base = self._mine[parity]
         items = self._items
         items[base + 1] = h
         items[base + 2] = aux
         items[base + 3] = deadline
-        self._sync()  # the values before the round number
+        sync = self._sync
+        sync()  # the values before the round number
         items[base] = current
         self._next = 0
         self._done = False
-        return self
+        if spins < 0:
+            return None
+        for r in self._rounds[parity]:  # poll(spins), inline: this is every small all-reduce's wait
+            while items[r] != current:
+                if spins <= 0:
+                    return None
+                spins -= 1
+        sync()  # the round numbers before the values
+        self._done = True
+        lo, hi = self._lines[parity]
+        return items[lo:hi].tolist()
 
-    def poll(self) -> bool:
+    def poll(self, spins: int = 0) -> bool:
         """Whether every rank posted the current round (then :meth:`values` returns them; ``recv`` is
-        not written)."""
+        not written). ``spins``: re-read a missing rank's round up to that many times first (the
+        cheapest wait there is, for a peer about to arrive; the caller's waiter decides how many)."""
         if self._done:
             return True
         current = self._round
@@ -99,8 +119,11 @@ class ShmAllgather:
         i, n = self._next, len(rounds)
         while i < n:
             if items[rounds[i]] != current:
-                self._next = i
-                return False
+                while spins > 0 and items[rounds[i]] != current:
+                    spins -= 1
+                if items[rounds[i]] != current:
+                    self._next = i
+                    return False
             i += 1
         self._sync()  # the round numbers before the values
         self._done = True

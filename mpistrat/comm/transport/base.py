@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 from mpi4py import MPI
@@ -20,6 +20,7 @@ from mpistrat.config import Settings
 __all__ = [
     "AgreementHook",
     "NO_AGREEMENT",
+    "RepeatTransport",
     "ResultBlockSet",
     "ResultBlockSource",
     "Transport",
@@ -138,3 +139,22 @@ class Transport(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """What this transport chose, for ``python -m mpistrat info`` (its name; subclasses add sizes)."""
         return {"name": self.name}
+
+
+class RepeatTransport(Transport):
+    """A transport that reduces a repeated call of one array through what it prepared for that call once.
+
+    The lean path of a training step's small reductions (``RankCommunicator.allreduce_repeat``): the
+    communicator asks :meth:`prepare_array` when it plans a call of one array, then, for every
+    repeat, calls :meth:`allreduce_prepared` with it: no lookups, no op checks, one call.
+    """
+
+    @abc.abstractmethod
+    def prepare_array(self, shape: tuple[int, ...], dtype: np.dtype, op: str) -> Any:
+        """What :meth:`allreduce_prepared` needs for arrays of ``shape`` and ``dtype`` with wire op ``op``
+        (local; only for what :meth:`enabled` takes)."""
+
+    @abc.abstractmethod
+    def allreduce_prepared(self, prepared: Any, src: Any, dst: Any, staged: Callable[[], bool]) -> None:
+        """:meth:`allreduce_array` of the C-contiguous ``src`` into ``dst`` with ``prepared`` (from
+        :meth:`prepare_array`); ``staged`` is the hook's :meth:`AgreementHook.staged`, called once."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -11,7 +11,7 @@ from mpistrat import ops
 from mpistrat.comm.options import CommunicationImplementation
 from mpistrat.comm.runtime.shm_window import NodeSync, SharedWindow, make_sync
 from mpistrat.comm.runtime.topology import Topology
-from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
+from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, RepeatTransport, TransportContext
 from mpistrat.comm.transport.shm.allreduce import (
     COMPLEX_DTYPES,
     DIRECT_MAX_BYTES,
@@ -22,7 +22,7 @@ from mpistrat.comm.transport.shm.allreduce import (
 __all__ = ["SmallShmTransport"]
 
 
-class SmallShmTransport(Transport):
+class SmallShmTransport(RepeatTransport):
     """All-reduce of host buckets of at most ``max_bytes`` among the ranks of one node (collective to create).
 
     Each rank copies its bucket into its slot of a small shared window, the node
@@ -129,6 +129,36 @@ class SmallShmTransport(Transport):
         np.copyto(views[self._slot][0], dst if src is MPI.IN_PLACE else src)
         self._pending = views
         self._reduce(views, op, hook, dst)
+
+    def prepare_array(self, shape: tuple[int, ...], dtype: np.dtype, op: str) -> tuple:
+        """Both slots' views in ``shape`` and the op's ufunc (ValueError for an op the dtype does not take)."""
+        views = self._shaped.get((shape, dtype)) or self._shape_views(shape, dtype)
+        wire = ops.WIRE_OPS.get(op)
+        if wire is None or (views[2] and not wire.complex_ok):
+            raise ValueError(f"SmallShmTransport: op {op!r} does not apply to {dtype}")
+        return views, wire.ufunc
+
+    def allreduce_prepared(self, prepared: tuple, src: Any, dst: np.ndarray, staged: Callable[[], bool]) -> None:
+        """:meth:`allreduce_array` with the views and ufunc of :meth:`prepare_array`: copy in, the one
+        synchronisation (the check's), the sums in local-rank order."""
+        views, ufunc = prepared
+        mine, slots = views[self._slot]
+        np.copyto(mine, src)
+        win_sync = self._win_sync
+        win_sync()  # this rank's stores before the check's announcement
+        synced = staged()
+        if views[3]:  # no items: the same count on every rank, so no rank synchronises
+            return
+        if synced:
+            win_sync()  # the peers' stores before our loads
+        else:
+            assert self._sync is not None
+            self._sync.wait()
+        ufunc(slots[0], slots[1], out=dst)
+        if len(slots) > 2:
+            for slot in slots[2:]:
+                ufunc(dst, slot, out=dst)
+        self._slot ^= 1
 
     def close(self) -> None:
         """Free the window and its synchronisation (collective over the node; idempotent)."""
