@@ -128,6 +128,9 @@ def in_cross_replica_context() -> bool:
 
 def get_replica_context() -> Any:
     """The current ReplicaContext: the default one with no strategy, None in cross-replica context."""
+    stack = _state.stack
+    if stack:  # current_frame(), inline: this is called in every step of a training loop
+        return stack[-1].replica_context
     return current_frame().replica_context
 
 

@@ -255,6 +255,7 @@ class ReplicaGroup:
         self.num_local = num_local
         self._threads: list[_ReplicaThread] = []
         self._step = _Step(num_local)
+        self.rendezvous: Rendezvous = self._step.rendezvous  # where the next (or current) step's replicas meet
         self._lock = threading.Lock()
         self._marker = step_marker if step_marker is not None else threading.local()
 
@@ -267,11 +268,6 @@ class ReplicaGroup:
     def in_step(self) -> bool:
         """Whether the calling thread is running a replica of a group sharing this group's marker."""
         return getattr(self._marker, "depth", 0) > 0
-
-    @property
-    def rendezvous(self) -> Rendezvous:
-        """Where the replicas of the next (or current) step meet."""
-        return self._step.rendezvous
 
     def _run_one(self, local_id: int, step: _Step, fn: Callable, frames: list, device_scope: Any,
                  call_args: tuple) -> None:
@@ -295,6 +291,7 @@ class ReplicaGroup:
         """Leave the interrupted step to its threads; the next step gets fresh threads and state."""
         self.close()
         self._step = _Step(self.num_local)
+        self.rendezvous = self._step.rendezvous
 
     def run(
         self,
