@@ -91,17 +91,10 @@ def pack(arrays: Sequence[Any], bucket: Bucket, out: Any, xp: Any = np) -> None:
         xp.concatenate([arrays[i].ravel() for i in members], out=out)
 
 
-def _max_refcount(views: list, _getrefcount: Any = sys.getrefcount) -> int:
-    return max(map(_getrefcount, views))  # a C loop: a fused bucket has hundreds of views
-
-
-def _block_refs(entry: list, _getrefcount: Any = sys.getrefcount) -> int:
-    return _getrefcount(entry[0])
-
-
-# References a pooled view has when only the pool holds it (measured, as it
-# depends on the interpreter).
-_POOLED_REFS = _max_refcount([np.empty(1)])
+# References a pooled view has when only the pool holds it (measured, as it depends on the
+# interpreter), counted as ResultPool.get counts them: max(map(getrefcount, views)), a C loop (a fused
+# bucket has hundreds of views), over the views in a list.
+_POOLED_REFS = max(map(sys.getrefcount, [np.empty(1)]))
 
 
 class ResultPool:
@@ -136,16 +129,17 @@ class ResultPool:
             block = self._shared.acquire()
             if block is not None:
                 return block, [block.reshape(self.bucket.shapes[0])]
+        getrefcount = sys.getrefcount  # counted in this frame, as at the entry's making below
         for entry in self._entries:
             # Views a caller made of a result refer to the block, not the view.
-            if _max_refcount(entry[1]) <= _POOLED_REFS and _block_refs(entry) <= entry[2]:
+            if max(map(getrefcount, entry[1])) <= _POOLED_REFS and getrefcount(entry[0]) <= entry[2]:
                 return entry[0], entry[1]
         b = self.bucket
         block = self.xp.empty(b.count, dtype=b.dtype)
         views = [block[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
         entry = [block, views, 0]
         del block
-        entry[2] = _block_refs(entry)
+        entry[2] = getrefcount(entry[0])  # the block's references while only the pool holds it
         if len(self._entries) < self.max_entries:
             self._entries.append(entry)
         return entry[0], entry[1]

@@ -166,6 +166,11 @@ class AgreementGuard:
             return self._complete(True)
         self._open = None
         now = int(time.time() * 1000)
+        stride = self._stride
+        # The common verdict, _judge's without a call: no deadline passed, every fingerprint ours.
+        if now <= deadline and min(values[3::stride]) >= now and values[1::stride].count(h) == self.size:
+            self.aux_values = aux_values = values[2::stride]
+            return aux_values
         return self._judge(values, opened, False, now, now, True)
 
     @property
