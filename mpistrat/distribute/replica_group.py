@@ -341,29 +341,8 @@ class ReplicaGroup:
         """:meth:`run` for a group of one replica: ``fn(*args, **kwargs)`` in the calling thread with
         ``frame`` pushed and ``device_scope`` (None: no device to make current) entered; its result,
         not a list."""
-        # _run_lone and _call_in_replica in one frame: this is every step of a one-replica worker.
         with self._lock:
-            rendezvous = self._step.rendezvous
-            stack = context.thread_stack()
-            depth = len(stack)
-            stack.append(frame)
-            marker = self._marker
-            marker.depth = getattr(marker, "depth", 0) + 1
-            try:
-                if device_scope is None:
-                    result = fn(*args, **kwargs)
-                else:
-                    with device_scope:
-                        result = fn(*args, **kwargs)
-            except BaseException:
-                rendezvous.in_flight = []
-                raise
-            finally:
-                marker.depth -= 1
-                del stack[depth:]
-            if rendezvous.in_flight:
-                rendezvous.finish_in_flight()
-            return result
+            return self._run_lone(fn, (frame,), device_scope, (args, kwargs))
 
     def _run_lone(self, fn: Callable, frames: Sequence[Any], device_scope: Any, call_args: tuple) -> Any:
         """The one replica's call, then the step's reductions still in flight are finished (their unread

@@ -148,14 +148,7 @@ class AgreementGuard:
             return self._complete(True)
         # One node's shared-memory round: start, and finish when every rank posts within the spin,
         # in one frame (every small all-reduce's check); else finish() waits as always.
-        shutdown = self._stall_shutdown
-        if shutdown and shutdown < timeout:
-            timeout = shutdown
-        if h is None:
-            h = fingerprint(key)
-        self.seq += 1
-        arrival = int(time.time() * 1000)
-        deadline = arrival + int(timeout * 1000)
+        timeout, h, arrival, deadline = self._opening(key, timeout, h)
         self._open = opened = (self._persistent, key, timeout, h, arrival, deadline)
         try:
             values = exchange(h, aux, deadline, self._spins)
@@ -197,6 +190,12 @@ class AgreementGuard:
             raise RuntimeError("AgreementGuard.start: the previous check was not finished")
         if self.broken is not None:
             raise CommunicatorBrokenError(self.broken)
+        timeout, h, arrival, deadline = self._opening(key, timeout, h)
+        self._open = (self._post(h, aux, deadline), key, timeout, h, arrival, deadline)
+
+    def _opening(self, key: CallKey, timeout: float, h: int | None) -> tuple[float, int, int, int]:
+        """A new check's timeout (the stall shutdown's where shorter), fingerprint, arrival and deadline
+        (ms, this rank's clock); counts the check."""
         shutdown = self._stall_shutdown
         if shutdown and shutdown < timeout:
             timeout = shutdown
@@ -204,8 +203,7 @@ class AgreementGuard:
             h = fingerprint(key)
         self.seq += 1
         arrival = int(time.time() * 1000)
-        deadline = arrival + int(timeout * 1000)
-        self._open = (self._post(h, aux, deadline), key, timeout, h, arrival, deadline)
+        return timeout, h, arrival, arrival + int(timeout * 1000)
 
     def _post_mpi(self, h: int, aux: int, deadline: int) -> MPI.Request:
         """Post this rank's values in the MPI all-gather; its request."""
