@@ -40,20 +40,26 @@ def shm_rc(comm):
 
 
 def _record_order(rc: RankCommunicator, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Events ``"staged"`` (data packed into a backend buffer) and ``"checked"`` (check finished)."""
+    """Events ``"staged"`` (data packed into a backend buffer) and ``"checked"`` (the check's wait begins:
+    ``finish``, or ``check_aux``, where a folded check posts and completes its round in one call)."""
     events: list[str] = []
     guard, backend = rc._guard, rc.transports[0]
-    finish, pack_buffer = guard.finish, backend.pack_buffer
+    finish, check_aux, pack_buffer = guard.finish, guard.check_aux, backend.pack_buffer
 
     def recorded_finish():
         events.append("checked")
         return finish()
+
+    def recorded_check_aux(*args, **kwargs):
+        events.append("checked")
+        return check_aux(*args, **kwargs)
 
     def recorded_pack_buffer(count, dtype):
         events.append("staged")
         return pack_buffer(count, dtype)
 
     monkeypatch.setattr(guard, "finish", recorded_finish)
+    monkeypatch.setattr(guard, "check_aux", recorded_check_aux)
     monkeypatch.setattr(backend, "pack_buffer", recorded_pack_buffer)
     return events
 
