@@ -156,7 +156,7 @@ class AgreementGuard:
             self._interrupted(key, exc)
             raise
         if values is None:
-            return self._complete(True)
+            return self._complete(True, 0)  # spun already: wait
         self._open = None
         now = int(time.time() * 1000)
         stride = self._stride
@@ -228,8 +228,9 @@ class AgreementGuard:
         """
         return self._complete(False)
 
-    def _complete(self, list_only: bool) -> Any:
-        """:meth:`finish`; with ``list_only``, every rank's ``aux`` as a list (``recv`` is not written)."""
+    def _complete(self, list_only: bool, spins: int | None = None) -> Any:
+        """:meth:`finish`; with ``list_only``, every rank's ``aux`` as a list (``recv`` is not written).
+        ``spins``: the shared-memory spin before waiting (None: the waiter's, ``_spins``)."""
         opened = self._open
         if opened is None:
             raise RuntimeError("AgreementGuard.finish: no check was started")
@@ -239,7 +240,7 @@ class AgreementGuard:
         try:
             # Complete already, or after the waiter's spin over the shared round words (a peer arriving
             # within it costs no wait set-up): one clock reading serves both questions below.
-            if self._poll(self._spins) if self._poll is not None else req.Test():
+            if self._poll(self._spins if spins is None else spins) if self._poll is not None else req.Test():
                 late = False
                 now = resumed = int(time.time() * 1000)
             else:

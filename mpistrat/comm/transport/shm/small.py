@@ -122,13 +122,10 @@ class SmallShmTransport(RepeatTransport):
         return out
 
     def allreduce_array(self, src: Any, dst: np.ndarray, op: str, hook: AgreementHook = NO_AGREEMENT) -> None:
-        """Reduce one C-contiguous array into ``dst`` (``src`` may be ``MPI.IN_PLACE``)."""
-        views = self._shaped.get((dst.shape, dst.dtype))
-        if views is None:
-            views = self._shape_views(dst.shape, dst.dtype)
-        np.copyto(views[self._slot][0], dst if src is MPI.IN_PLACE else src)
-        self._pending = views
-        self._reduce(views, op, hook, dst)
+        """Reduce one C-contiguous array into ``dst`` (``src`` may be ``MPI.IN_PLACE``): what
+        :meth:`allreduce_prepared` does with this call's :meth:`prepare_array`."""
+        self.allreduce_prepared(self.prepare_array(dst.shape, dst.dtype, op), dst if src is MPI.IN_PLACE else src,
+                                dst, hook.staged)
 
     def prepare_array(self, shape: tuple[int, ...], dtype: np.dtype, op: str) -> tuple:
         """Both slots' views in ``shape`` and the op's ufunc (ValueError for an op the dtype does not take)."""
@@ -176,7 +173,7 @@ class SmallShmTransport(RepeatTransport):
     # -- internals ----------------------------------------------------------
     def _reduce(self, views: tuple | None, op: str, hook: AgreementHook, out: np.ndarray) -> None:
         """The one synchronisation (the check's, when it folded) and the sums of the slots ``views`` (an
-        entry of ``_views`` or ``_shaped``, staged into), in local-rank order."""
+        entry of ``_views``, packed into by the caller), in local-rank order: ``allreduce_packed``'s."""
         if views is None or views is not self._pending:
             raise RuntimeError(f"SmallShmTransport: reduce {out.size} x {out.dtype} without pack_buffer of that size "
                                "first")
