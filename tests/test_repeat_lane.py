@@ -166,3 +166,42 @@ def test_an_interrupt_right_after_posting_the_folded_check_breaks_that_rank_only
                 rc.allreduce([np.ones(256)], "sum")
     finally:
         rc.close()  # every guard is broken by now: local clean-up only
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("as_list", [False, True])
+def test_a_repeated_cupy_all_reduce_takes_the_lean_path_on_the_replicas_gpu(strategy, comm, monkeypatch, as_list):
+    # One CuPy array on the replica's GPU goes from ReplicaContext.all_reduce straight to the communicator,
+    # as a NumPy array does: the general path (_all_reduce_alone) is not entered after the first call.
+    import cupy
+
+    ext = strategy.extended
+    device = ext.worker_devices[0]
+    assert ms.devices.is_gpu(device)
+    general = []
+    alone = ext._cross_device_ops._all_reduce_alone
+
+    def counted(*args, **kwargs):
+        general.append(args[0])
+        return alone(*args, **kwargs)
+
+    monkeypatch.setattr(ext._cross_device_ops, "_all_reduce_alone", counted)
+    total = comm.size * (comm.size + 1) / 2
+    held = []
+    with cupy.cuda.Device(ms.devices.device_index(device)):
+        x = cupy.full(5000, comm.rank + 1.0, cupy.float32)
+        for k in range(5):
+            x[:] = comm.rank + 1.0 + k
+            out = _reduce(strategy, "sum", [x] if as_list else x)
+            r = out[0] if as_list else out
+            assert type(r) is cupy.ndarray and r is not x and r.device.id == x.device.id
+            assert bool(cupy.all(x == comm.rank + 1.0 + k))  # the input untouched
+            held.append(r)
+        for k, r in enumerate(held):  # every result is kept: no later call wrote into it
+            assert bool(cupy.all(r == total + comm.size * k)), (k, float(r[0]))
+        assert len(general) == 1  # the first call planned through the general path; the repeats took the lean one
+        for _ in range(2):
+            m = _reduce(strategy, "max", [x] if as_list else x)
+            assert float((m[0] if as_list else m)[0]) == comm.size + 4.0
+    assert len(general) == 2  # a new op is a new plan: its first call only

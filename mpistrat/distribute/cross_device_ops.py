@@ -202,10 +202,11 @@ class CrossDeviceOps:
             op = ReduceOp.from_string(reduce_op)
             comm.allreduce([], op.wire, options, divisor=self._divisor(op, max(num_local, 1)), structure=structure)
 
-    def all_reduce_repeat(self, wire: str, a: np.ndarray) -> np.ndarray | None:
+    def all_reduce_repeat(self, wire: str, a: Any) -> Any:
         """``_all_reduce_alone(op, [a], devices)[0]`` for the one local replica's SUM, MIN or MAX (``wire``:
-        ``"sum"``, ``"min"``, ``"max"``) of one native NumPy array when it repeats an earlier such call
-        (``RankCommunicator.allreduce_repeat``), else None: the caller then takes the general path."""
+        ``"sum"``, ``"min"``, ``"max"``) of one NumPy or CuPy array of a native dtype when it repeats an
+        earlier such call (``RankCommunicator.allreduce_repeat``), else None: the caller then takes the
+        general path, whose one-replica case hands the same array to the same communicator."""
         comm = self._communicator
         if comm is None or self.check_numerics or a.dtype not in _NATIVE:
             return None

@@ -157,9 +157,8 @@ class ReplicaContext:
             self._require_current()  # raises
         ext = self._strategy._extended
         if options is None and self._rendezvous.n == 1:  # the hot case: one array (or a list of one), a repeat
-            kind = type(value)
-            a = value if kind is np.ndarray else value[0] if kind is list and len(value) == 1 else None
-            if type(a) is np.ndarray and type(reduce_op) in _OP_TYPES:
+            a = value[0] if type(value) is list and len(value) == 1 else value
+            if (type(a) is np.ndarray or dev.is_cupy_array(a)) and type(reduce_op) in _OP_TYPES:
                 wire = _REPEAT_WIRE.get(reduce_op)  # SUM, MIN, MAX spelled as ReduceOp.from_string takes them
                 out = None if wire is None else ext._cross_device_ops.all_reduce_repeat(wire, a)
                 if out is not None:
