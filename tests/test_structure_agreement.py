@@ -94,3 +94,17 @@ def test_dicts_with_unsortable_keys_are_refused_as_tf_does():
     with pytest.raises(TypeError, match="sortable keys"):
         ms.nest.flatten({Layer(): np.ones(1), Layer(): np.ones(1)})
     assert ms.nest.flatten({"b": 2, "a": 1}) == [1, 2]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_flat_list_carries_no_structure_whatever_its_leaves_are(comm):
+    # A flat list's count and order say all: [array] on one rank and [variable] (read as the replica's
+    # copy) on another are the same call, as in TF, not a structure mismatch.
+    strategy = ms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        v = ms.Variable(np.ones(2))
+    leaf = v if comm.rank == 1 else np.ones(2)
+    for _ in range(3):  # the first call plans; the repeats take the lean path where there is one
+        out = strategy.run(lambda: ms.get_replica_context().all_reduce("SUM", [leaf]))
+        assert type(out) is list and len(out) == 1
+        np.testing.assert_array_equal(out[0], np.full(2, float(comm.size)))

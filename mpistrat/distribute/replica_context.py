@@ -271,8 +271,11 @@ def _replica_leaves(kind: str, value: Any) -> list:
 
 def _structure(value: Any, flat: list) -> str | None:
     """The nesting of a replica's ``value`` that every replica and rank must share (dict keys, namedtuple
-    types), or None for a lone array or a flat list of leaves (their count and order say it all)."""
+    types), or None for a lone array or a flat list of leaves (their count and order say it all), whatever
+    the leaves are (NumPy or CuPy arrays, numbers, variables)."""
     if flat is value or not nest.is_nested(value):
+        return None
+    if type(value) is list and not any(map(nest.is_nested, value)):
         return None
     return nest.structure_signature(value)
 
