@@ -130,17 +130,16 @@ class SmallShmTransport(RepeatTransport):
     def prepare_array(self, shape: tuple[int, ...], dtype: np.dtype, op: str) -> tuple:
         """Both slots' views in ``shape`` and the op's ufunc (ValueError for an op the dtype does not take)."""
         views = self._shaped.get((shape, dtype)) or self._shape_views(shape, dtype)
-        wire = ops.WIRE_OPS.get(op)
-        if wire is None or (views[2] and not wire.complex_ok):
-            raise ValueError(f"SmallShmTransport: op {op!r} does not apply to {dtype}")
-        return views, wire.ufunc
+        return views, _ufunc(views, op, dtype)
 
     def allreduce_prepared(self, prepared: tuple, src: Any, dst: np.ndarray, staged: Callable[[], bool]) -> None:
-        """:meth:`allreduce_array` with the views and ufunc of :meth:`prepare_array`: copy in, the one
-        synchronisation (the check's), the sums in local-rank order."""
+        """:meth:`allreduce_array` with the views and ufunc of :meth:`prepare_array`: copy in (``src`` None:
+        already in this rank's slot, as ``allreduce_packed`` packs it), the one synchronisation (the
+        check's), the sums in local-rank order."""
         views, ufunc = prepared
         mine, slots = views[self._slot]
-        np.copyto(mine, src)
+        if src is not None:
+            np.copyto(mine, src)
         win_sync = self._win_sync
         win_sync()  # this rank's stores before the check's announcement
         synced = staged()
@@ -178,27 +177,7 @@ class SmallShmTransport(RepeatTransport):
             raise RuntimeError(f"SmallShmTransport: reduce {out.size} x {out.dtype} without pack_buffer of that size "
                                "first")
         self._pending = None
-        wire = ops.WIRE_OPS.get(op)
-        if wire is None or (views[2] and not wire.complex_ok):
-            raise ValueError(f"SmallShmTransport: op {op!r} does not apply to {out.dtype}")
-        synced = False
-        if hook is not NO_AGREEMENT:
-            self._win_sync()  # this rank's stores before the check's announcement
-            synced = hook.staged()
-        if views[3]:  # no items: the same count on every rank, so no rank synchronises
-            return
-        if synced:
-            self._win_sync()  # the peers' stores before our loads
-        else:
-            assert self._sync is not None
-            self._sync.wait()
-        slots = views[self._slot][1]
-        ufunc = wire.ufunc
-        ufunc(slots[0], slots[1], out=out)
-        if len(slots) > 2:
-            for slot in slots[2:]:
-                ufunc(out, slot, out=out)
-        self._slot ^= 1
+        self.allreduce_prepared((views, _ufunc(views, op, out.dtype)), None, out, hook.staged)
 
     def _make_views(self, count: int, dtype: Any) -> tuple:
         dt = np.dtype(dtype)
@@ -222,3 +201,11 @@ class SmallShmTransport(RepeatTransport):
         slots = tuple((mine.reshape(shape), [v.reshape(shape) for v in every]) for mine, every in flat[:2])
         entry = self._shaped[(shape, dtype)] = slots + flat[2:]
         return entry
+
+
+def _ufunc(views: tuple, op: str, dtype: Any) -> Any:
+    """The ufunc of wire op ``op`` for the slots ``views`` (ValueError for an op their dtype does not take)."""
+    wire = ops.WIRE_OPS.get(op)
+    if wire is None or (views[2] and not wire.complex_ok):
+        raise ValueError(f"SmallShmTransport: op {op!r} does not apply to {dtype}")
+    return wire.ufunc
