@@ -177,6 +177,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPISTRAT_SHM_CHUNK_BYTES", "shm_chunk_bytes", _chunk_bytes, None,
              "single arrays longer than this are reduced chunk by chunk (default: half of the L2 cache; "
              "0: never; auto: measured)"),
+    Variable("MPISTRAT_COMPILED_LANE", "compiled_lane", parse_bool, True,
+             "repeated small all-reduces on one node in one compiled call, where the extension was built"),
     Variable("MPISTRAT_AGREEMENT", "agreement", _choice("auto", "mpi"), "auto",
              "transport of the agreement check: auto (node shared memory on one node) or mpi"),
     Variable("MPISTRAT_PRETEND_NODES", "pretend_nodes", _positive_int, None,
@@ -209,6 +211,7 @@ class Settings:
     shm_max_bytes: int
     shm_block_bytes: int
     shm_chunk_bytes: int | str
+    compiled_lane: bool
     agreement: str
     pretend_nodes: int | None
     cuda_aware: bool | None

@@ -12,8 +12,15 @@ import mpistrat as ms
 from mpistrat.comm import CollectiveMismatchError, CollectiveTimeoutError, CommunicationOptions
 
 
+@pytest.fixture(params=["compiled", "python"])
+def lane_mode(request, monkeypatch):
+    """Every test twice: with the compiled lane (agreement/lane.py, ``_lane.c``) and with the Python path."""
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1" if request.param == "compiled" else "0")
+    return request.param
+
+
 @pytest.fixture
-def strategy(comm, monkeypatch):
+def strategy(comm, monkeypatch, lane_mode):
     """The default strategy on one node: small arrays go through ``shm-small`` with the check folded."""
     monkeypatch.delenv("MPISTRAT_SHM_MIN_BYTES", raising=False)
     monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
@@ -32,11 +39,12 @@ def _plan(strategy, x):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("as_list", [False, True])
-def test_repeats_take_the_lean_path_and_every_result_is_a_new_array_kept(strategy, comm, as_list):
+def test_repeats_take_the_lean_path_and_every_result_is_a_new_array_kept(strategy, comm, as_list, lane_mode):
     x = np.full(1000, comm.rank + 1.0, np.float32)
     first = _reduce(strategy, "sum", [x] if as_list else x)
     plan = _plan(strategy, x)
     assert plan.folded is not None  # a one-array call folded into shm-small's handshake
+    assert (plan.lane is not None) == (lane_mode == "compiled")
     total = comm.size * (comm.size + 1) / 2
     held = []
     for k in range(6):
@@ -98,7 +106,7 @@ def test_an_error_before_the_check_on_one_rank_raises_on_every_rank(strategy, co
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_a_late_rank_times_out_the_ranks_waiting_on_the_lean_path(comm, monkeypatch):
+def test_a_late_rank_times_out_the_ranks_waiting_on_the_lean_path(comm, monkeypatch, lane_mode):
     monkeypatch.delenv("MPISTRAT_SHM_MIN_BYTES", raising=False)
     monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
     strategy = ms.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=1.0))
@@ -139,6 +147,7 @@ def test_an_interrupt_right_after_posting_the_folded_check_breaks_that_rank_only
     monkeypatch.delenv("MPISTRAT_SHM_MIN_BYTES", raising=False)
     monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
     monkeypatch.delenv("MPISTRAT_AGREEMENT", raising=False)
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "0")  # the Python exchange (the compiled lane: the next test)
     rc = RankCommunicator(comm, CommunicationOptions(timeout_seconds=2))
     try:
         for _ in range(2):
@@ -205,3 +214,76 @@ def test_a_repeated_cupy_all_reduce_takes_the_lean_path_on_the_replicas_gpu(stra
             m = _reduce(strategy, "max", [x] if as_list else x)
             assert float((m[0] if as_list else m)[0]) == comm.size + 4.0
     assert len(general) == 2  # a new op is a new plan: its first call only
+
+
+def test_the_compiled_lane_is_built_by_the_install():
+    # pip builds the extension wherever a C compiler is (this machine has one): a lane that silently fell
+    # back to the Python path would pass every other test here.
+    from mpistrat.comm.agreement import lane
+
+    assert lane._lane is not None, "mpistrat.comm.agreement._lane was not built: pip install -e . with a C compiler"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (np.float64, "sum"), (np.int32, "sum"), (np.int64, "sum"),
+                                       (np.int32, "min"), (np.int64, "max"), (np.float32, "max")])
+def test_repeated_calls_give_numpys_bits_in_local_rank_order(strategy, comm, lane_mode, dtype, op):
+    # Each element is ((x0 + x1) + x2) + ... in rank order, as NumPy's ufunc computes it: floats with
+    # infinities, NaN, subnormals and values whose sum depends on the order; integers that wrap.
+    rng = np.random.default_rng(comm.rank)
+    for k in range(4):
+        if np.dtype(dtype).kind == "f":
+            x = (rng.standard_normal(1500) * 10.0 ** rng.integers(-30, 30, 1500)).astype(dtype)
+            x[:4] = [np.inf, -np.inf, np.nan, np.finfo(dtype).tiny / 3]
+        else:
+            info = np.iinfo(dtype)
+            x = rng.integers(info.min, info.max, 1500, dtype=dtype, endpoint=True)
+        out = _reduce(strategy, op, x)
+        every = comm.allgather(x)
+        ufunc = {"sum": np.add, "min": np.minimum, "max": np.maximum}[op]
+        expected = ufunc(every[0], every[1])
+        for y in every[2:]:
+            expected = ufunc(expected, y)
+        assert out.dtype == x.dtype and out.tobytes() == expected.tobytes(), (lane_mode, dtype, op, k)
+    plan = strategy.extended._communicator._planner.singles[(op, None, x.shape, x.dtype, np.ndarray)]
+    compiled = lane_mode == "compiled" and not (np.dtype(dtype).kind == "f" and op != "sum")  # NumPy's rules
+    assert (plan.lane is not None) == compiled
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_the_compiled_lane_waits_for_a_late_peer_breaks_that_rank_only(comm, monkeypatch):
+    # The lane posts and spins in C; a peer later than the spin hands the round to the guard's wait, and an
+    # interrupt there leaves the round out: the rank refuses every later call, its peers finish this one.
+    from mpistrat.comm import RankCommunicator
+    from mpistrat.comm.errors import CommunicatorBrokenError
+
+    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1")
+    rc = RankCommunicator(comm, CommunicationOptions(timeout_seconds=2))
+    try:
+        for _ in range(2):
+            rc.allreduce([np.ones(256)], "sum")  # planned: the next calls take the lane
+        plan = rc._planner.singles[("sum", None, (256,), np.dtype(np.float64), np.ndarray)]
+        assert plan.lane is not None
+        guard = rc._guard
+        if comm.rank == 1:
+            def interrupted(*args):
+                raise KeyboardInterrupt
+
+            guard._wait = interrupted  # the lane returned without a peer: the guard's wait is next
+            with pytest.raises(KeyboardInterrupt):
+                rc.allreduce([np.full(256, 10.0)], "sum")
+            assert guard.broken and "interrupted on rank 1" in guard.broken
+            with pytest.raises(CommunicatorBrokenError, match="interrupted on rank 1"):
+                rc.allreduce([np.ones(256)], "sum")
+            comm.Barrier()
+        else:
+            comm.Barrier()  # rank 1 has posted and given up waiting
+            expected = 10 + sum(1.0 for r in range(comm.size) if r != 1)
+            assert np.all(rc.allreduce([np.ones(256)], "sum")[0] == expected)
+            with pytest.raises(CollectiveTimeoutError, match="rank 1"):
+                rc.allreduce([np.ones(256)], "sum")
+    finally:
+        rc.close()  # every guard is broken by now: local clean-up only

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from mpistrat import config, ops, timeline
 from mpistrat.comm.agreement.call import CHECKED, FOLD, CallAgreement, FoldedCheck, check_aux, choose_mode, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
+from mpistrat.comm.agreement.lane import compiled_lane
 from mpistrat.comm.agreement.signatures import CallKey, fingerprint
 from mpistrat.comm.deterministic import replicas_error, reproducible_sum
 from mpistrat.comm.errors import CollectiveError, allgather_checked
@@ -299,6 +300,9 @@ class RankCommunicator:
         try:
             dst = step.pool.get()[1][0]
             src = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+            lane = plan.lane
+            if lane is not None and lane(src, dst):
+                return dst
             if prepared is not None:
                 step.transport.allreduce_prepared(prepared, src, dst, folded.staged)
             else:
@@ -410,6 +414,8 @@ class RankCommunicator:
                     if isinstance(first.transport, RepeatTransport):
                         a = arrays[first.members[0]]
                         plan.prepared = first.transport.prepare_array(a.shape, a.dtype, plan.op)
+                        plan.lane = compiled_lane(self.settings.compiled_lane, plan.folded, self._guard,
+                                                  first.transport, plan.prepared, a.nbytes, a.dtype, plan.op)
             mode = CHECKED
         if _plain_array(single) and type(op) is str and structure is None:
             self._planner.file_single(op, divisor, single, plan)

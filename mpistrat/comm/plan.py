@@ -65,7 +65,7 @@ class Plan:
     nothing and chooses nothing.
     """
 
-    __slots__ = ("steps", "nbytes", "op", "key", "h", "repeat_mode", "folded", "prepared")
+    __slots__ = ("steps", "nbytes", "op", "key", "h", "repeat_mode", "folded", "prepared", "lane")
 
     def __init__(self, steps: list[Step], op: str) -> None:
         self.steps = steps
@@ -76,6 +76,7 @@ class Plan:
         self.repeat_mode = 0
         self.folded: Any = None  # a one-array FOLD plan's FoldedCheck (communicator.allreduce_repeat)
         self.prepared: Any = None  # and, where its transport is a RepeatTransport, what it prepared
+        self.lane: Any = None  # and, where the compiled lane applies, its CompiledLane (agreement/lane.py)
 
 
 class Planner:

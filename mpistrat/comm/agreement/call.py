@@ -209,13 +209,21 @@ class FoldedCheck(AgreementHook):
         self._aux = check_aux(pack_bytes, True)
         self.pending = False  # set by the caller before the transport, cleared by staged()
 
+    def signature(self) -> tuple[CallKey, int, float, int]:
+        """The plan's key, fingerprint, timeout and ``aux`` (staged first)."""
+        return self._key, self._h, self._timeout, self._aux
+
     def staged(self, first: bool = True) -> bool:
         """Run the check once this rank's data is staged; whether every rank staged first."""
         if not self.pending:
             raise RuntimeError("the agreement hook was called twice in one all-reduce")
         self.pending = False
         aux = self._aux if first else self._aux & ~STAGED_FIRST
-        values = self._guard.check_aux(self._key, self._timeout, aux, self._h)
+        return self.verdict(self._guard.check_aux(self._key, self._timeout, aux, self._h))
+
+    def verdict(self, values: list[int]) -> bool:
+        """Whether every rank staged first, from every rank's ``aux`` of a passed check (a different bucket
+        size on some rank raises on every rank)."""
         if min(values) == max(values):  # every rank the same bucket size, all staged first (or none)
             return bool(values[0] & STAGED_FIRST)
         return require_same_pack(values)

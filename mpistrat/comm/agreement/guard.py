@@ -102,12 +102,14 @@ class AgreementGuard:
         self.transport = "shm" if all(shm for _, shm in agreed) else "mpi"
         if self.transport == "shm":  # one node: one shared-memory round (shm_allgather.py)
             gather = ShmAllgather(self._ctl, self._send, self._recv)
+            self.gather: ShmAllgather | None = gather  # the compiled lane (lane.py) posts in its rounds too
             self._persistent: Any = gather
             # A completed round is read straight from the shared lines: rank r's values at stride * r + 1..3.
             self._post, self._poll, self._read = gather.post, gather.poll, gather.values
             self._exchange: Any = gather.exchange
             self._stride, self._first = gather.STRIDE, 1
         else:  # a persistent collective (MPI-4) saves a few microseconds per check
+            self.gather = None
             try:
                 self._persistent = self._ctl.Allgather_init(self._send, self._recv)
             except (AttributeError, NotImplementedError, MPI.Exception):
@@ -193,9 +195,14 @@ class AgreementGuard:
         timeout, h, arrival, deadline = self._opening(key, timeout, h)
         self._open = (self._post(h, aux, deadline), key, timeout, h, arrival, deadline)
 
+    def effective_timeout(self, timeout: float) -> float:
+        """A check's timeout: ``timeout``, or the stall shutdown's where shorter."""
+        shutdown = self._stall_shutdown
+        return shutdown if shutdown and shutdown < timeout else timeout
+
     def _opening(self, key: CallKey, timeout: float, h: int | None) -> tuple[float, int, int, int]:
-        """A new check's timeout (the stall shutdown's where shorter), fingerprint, arrival and deadline
-        (ms, this rank's clock); counts the check."""
+        """A new check's timeout (:meth:`effective_timeout`), fingerprint, arrival and deadline (ms, this
+        rank's clock); counts the check. The compiled lane (lane.py) opens its rounds the same way."""
         shutdown = self._stall_shutdown
         if shutdown and shutdown < timeout:
             timeout = shutdown

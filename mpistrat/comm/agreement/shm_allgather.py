@@ -107,6 +107,13 @@ class ShmAllgather:
         lo, hi = self._lines[parity]
         return items[lo:hi].tolist()
 
+    def layout(self) -> tuple[int, list[int], list[bytes]]:
+        """Where the rounds live, for a compiled reader (``_lane.c``): the table's address, this rank's line
+        per parity (the index of its round item) and every rank's, per parity, as native int64 bytes."""
+        address = self._window.segment(0).__array_interface__["data"][0]
+        lines = [np.array(rounds, np.int64).tobytes() for rounds in self._rounds]
+        return address, list(self._mine), lines
+
     def poll(self, spins: int = 0) -> bool:
         """Whether every rank posted the current round (then :meth:`values` returns them; ``recv`` is
         not written). ``spins``: re-read a missing rank's round up to that many times first (the

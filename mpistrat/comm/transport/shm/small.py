@@ -71,7 +71,7 @@ class SmallShmTransport(RepeatTransport):
         # and whether the dtype is complex; per (shape, dtype) seen, the same views in that shape.
         self._views: dict[tuple[int, Any], tuple] = {}
         self._shaped: dict[tuple[tuple[int, ...], np.dtype], tuple] = {}
-        self._slot = 0
+        self.slot = 0  # the parity of the next call's slots (flipped by every call that sums them)
         self._pending: tuple | None = None  # the entry of _views pack_buffer was last asked for
         # No exit hook of its own: its windows are freed at exit with every other window, in creation order
         # (shm_window.free_all), the one order every rank shares.
@@ -111,7 +111,7 @@ class SmallShmTransport(RepeatTransport):
         if views is None:
             views = self._make_views(count, dtype)
         self._pending = views
-        return views[self._slot][0]
+        return views[self.slot][0]
 
     def allreduce_packed(self, count: int, dtype: np.dtype, op: str, hook: AgreementHook = NO_AGREEMENT,
                          out: Any = None) -> np.ndarray:
@@ -136,25 +136,40 @@ class SmallShmTransport(RepeatTransport):
         """:meth:`allreduce_array` with the views and ufunc of :meth:`prepare_array`: copy in (``src`` None:
         already in this rank's slot, as ``allreduce_packed`` packs it), the one synchronisation (the
         check's), the sums in local-rank order."""
-        views, ufunc = prepared
-        mine, slots = views[self._slot]
+        views = prepared[0]
         if src is not None:
-            np.copyto(mine, src)
-        win_sync = self._win_sync
-        win_sync()  # this rank's stores before the check's announcement
-        synced = staged()
+            np.copyto(views[self.slot][0], src)
+        self._win_sync()  # this rank's stores before the check's announcement
+        self.finish_prepared(prepared, dst, staged())
+
+    def finish_prepared(self, prepared: tuple, dst: np.ndarray, synced: bool) -> None:
+        """The rest of :meth:`allreduce_prepared` once the check passed (``synced``: whether it was every
+        rank's synchronisation, :meth:`AgreementHook.staged`): the sums of every rank's slot into ``dst``,
+        in local-rank order. Also the end of a call whose copy and check ran elsewhere (the compiled lane,
+        ``comm/agreement/lane.py``) but whose sums did not."""
+        views, ufunc = prepared
         if views[3]:  # no items: the same count on every rank, so no rank synchronises
             return
         if synced:
-            win_sync()  # the peers' stores before our loads
+            self._win_sync()  # the peers' stores before our loads
         else:
             assert self._sync is not None
             self._sync.wait()
+        slots = views[self.slot][1]
         ufunc(slots[0], slots[1], out=dst)
         if len(slots) > 2:
             for slot in slots[2:]:
                 ufunc(dst, slot, out=dst)
-        self._slot ^= 1
+        self.slot ^= 1
+
+    def slot_addresses(self, prepared: tuple) -> tuple[tuple[int, bytes], tuple[int, bytes]]:
+        """For each slot parity of ``prepared`` (:meth:`prepare_array`'s): the address of this rank's slot and
+        every rank's, in local-rank order, as native uint64 bytes (what the compiled lane reads)."""
+        views = prepared[0]
+        return tuple(
+            (mine.__array_interface__["data"][0],
+             np.array([v.__array_interface__["data"][0] for v in every], np.uint64).tobytes())
+            for mine, every in views[:2])  # type: ignore[return-value]
 
     def close(self) -> None:
         """Free the window and its synchronisation (collective over the node; idempotent)."""

@@ -1,0 +1,179 @@
+/* The compiled lane of a repeated small all-reduce: copy in, the check's shared-memory round, the sums.
+ *
+ * One call does what ShmAllgather.exchange (the round), AgreementGuard.check_aux (the common verdict)
+ * and SmallShmTransport.allreduce_prepared (the copy into this rank's slot and the sums of every
+ * rank's slot in local-rank order) do in Python, with the same memory protocol, so ranks that run
+ * this and ranks that run the Python path meet in the same round. It sums only after every rank
+ * posted the round with this rank's fingerprint and aux and no deadline has passed; anything else
+ * goes back to the Python path (mpistrat/comm/agreement/lane.py), which judges and waits as always.
+ *
+ * run(table, mine, round, lines, h, aux, deadline, spins, src, slot, slots, dst, kind)
+ *   table:    address of the check's int64 table (ShmAllgather's)
+ *   mine:     item index of this rank's line for this round's parity (round word; h, aux, deadline after)
+ *   lines:    bytes, int64 item index of every rank's line for this parity, in rank order
+ *   src, dst: C-contiguous buffers of the call's bytes (dst writable)
+ *   slot:     address of this rank's slot; slots: bytes, uint64 address of every rank's slot, rank order
+ *   kind:     KIND_* below (dtype and op)
+ * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls) or the
+ * round's lines as a list of ints (every rank posted, but the verdict is not the common one).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+enum { KIND_SUM_F32, KIND_SUM_F64, KIND_SUM_I32, KIND_SUM_I64, KIND_MIN_I32, KIND_MIN_I64, KIND_MAX_I32,
+       KIND_MAX_I64, KIND_COUNT };
+
+#define LINE_ITEMS 8 /* ShmAllgather's: a 64-byte cache line per rank */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ms(void) { /* int(time.time() * 1000): the guard's clock */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* The sums in local-rank order, ((s0 + s1) + s2) + ..., each element as NumPy's ufunc computes it
+ * (IEEE adds for floats; integers wrap, done unsigned). */
+#define REDUCE(T, U, COMBINE)                                                                        \
+    do {                                                                                             \
+        T *d = (T *)dst;                                                                             \
+        const T *a = (const T *)(uintptr_t)slots[0], *b = (const T *)(uintptr_t)slots[1];            \
+        for (Py_ssize_t k = 0; k < count; k++) { T x = a[k], y = b[k]; d[k] = COMBINE; }            \
+        for (Py_ssize_t j = 2; j < n; j++) {                                                         \
+            const T *s = (const T *)(uintptr_t)slots[j];                                             \
+            for (Py_ssize_t k = 0; k < count; k++) { T x = d[k], y = s[k]; d[k] = COMBINE; }        \
+        }                                                                                            \
+    } while (0)
+#define ADD_WRAP(T, U) (T)((U)x + (U)y)
+
+static void reduce(int kind, void *dst, const uint64_t *slots, Py_ssize_t n, Py_ssize_t nbytes) {
+    Py_ssize_t count;
+    switch (kind) {
+    case KIND_SUM_F32: count = nbytes / 4; REDUCE(float, float, x + y); break;
+    case KIND_SUM_F64: count = nbytes / 8; REDUCE(double, double, x + y); break;
+    case KIND_SUM_I32: count = nbytes / 4; REDUCE(int32_t, uint32_t, ADD_WRAP(int32_t, uint32_t)); break;
+    case KIND_SUM_I64: count = nbytes / 8; REDUCE(int64_t, uint64_t, ADD_WRAP(int64_t, uint64_t)); break;
+    case KIND_MIN_I32: count = nbytes / 4; REDUCE(int32_t, int32_t, y < x ? y : x); break;
+    case KIND_MIN_I64: count = nbytes / 8; REDUCE(int64_t, int64_t, y < x ? y : x); break;
+    case KIND_MAX_I32: count = nbytes / 4; REDUCE(int32_t, int32_t, y > x ? y : x); break;
+    case KIND_MAX_I64: count = nbytes / 8; REDUCE(int64_t, int64_t, y > x ? y : x); break;
+    }
+}
+
+static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "_lane.run takes 13 arguments");
+        return NULL;
+    }
+    volatile int64_t *table = (volatile int64_t *)PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t mine = PyLong_AsSsize_t(args[1]);
+    int64_t round = PyLong_AsLongLong(args[2]);
+    int64_t h = PyLong_AsLongLong(args[4]), aux = PyLong_AsLongLong(args[5]), deadline = PyLong_AsLongLong(args[6]);
+    long spins = PyLong_AsLong(args[7]);
+    char *slot = (char *)PyLong_AsVoidPtr(args[9]);
+    int kind = (int)PyLong_AsLong(args[12]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyBytes_Check(args[3]) || !PyBytes_Check(args[10]) || kind < 0 || kind >= KIND_COUNT) {
+        PyErr_SetString(PyExc_TypeError, "_lane.run: lines and slots are bytes, kind a KIND_* value");
+        return NULL;
+    }
+    const int64_t *lines = (const int64_t *)PyBytes_AS_STRING(args[3]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[3]) / 8;
+    const uint64_t *slots = (const uint64_t *)PyBytes_AS_STRING(args[10]);
+    if (n < 2 || PyBytes_GET_SIZE(args[10]) / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "_lane.run: lines and slots name the same two or more ranks");
+        return NULL;
+    }
+    /* Every argument is checked before the round is posted: an error here leaves the peers' round alone. */
+    Py_buffer src, dst;
+    if (PyObject_GetBuffer(args[8], &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[11], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (src.len != dst.len) {
+        PyErr_SetString(PyExc_ValueError, "_lane.run: src and dst differ in size");
+        goto done;
+    }
+    memcpy(slot, src.buf, (size_t)src.len);
+    table[mine + 1] = h;
+    table[mine + 2] = aux;
+    table[mine + 3] = deadline;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the slot and the values before the round number */
+    table[mine] = round;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        while (table[lines[r]] != round) {
+            if (spins-- <= 0) {
+                result = Py_None;
+                Py_INCREF(result);
+                goto done;
+            }
+            cpu_relax();
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the round numbers before the values and the slots */
+    int64_t now = now_ms();
+    int common = now <= deadline;
+    for (Py_ssize_t r = 0; r < n && common; r++) {
+        Py_ssize_t at = lines[r];
+        common = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
+    }
+    if (common) {
+        reduce(kind, dst.buf, slots, n, dst.len);
+        result = Py_True;
+        Py_INCREF(result);
+        goto done;
+    }
+    result = PyList_New(n * LINE_ITEMS); /* the round's lines, as ShmAllgather.values returns them */
+    if (result == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n * LINE_ITEMS; i++) {
+        PyObject *v = PyLong_FromLongLong(table[lines[0] + i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+static PyMethodDef lane_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
+     "Copy in, post the check's round, spin, judge and sum: True, None or the round's lines."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef lane_module = {
+    PyModuleDef_HEAD_INIT, "_lane", "The compiled lane of a repeated small all-reduce.", -1, lane_methods,
+};
+
+PyMODINIT_FUNC PyInit__lane(void) {
+    PyObject *m = PyModule_Create(&lane_module);
+    if (m == NULL)
+        return NULL;
+    const char *names[KIND_COUNT] = {"KIND_SUM_F32", "KIND_SUM_F64", "KIND_SUM_I32", "KIND_SUM_I64",
+                                     "KIND_MIN_I32", "KIND_MIN_I64", "KIND_MAX_I32", "KIND_MAX_I64"};
+    for (int k = 0; k < KIND_COUNT; k++)
+        if (PyModule_AddIntConstant(m, names[k], k) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    return m;
+}
