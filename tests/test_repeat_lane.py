@@ -142,7 +142,6 @@ def test_an_interrupt_right_after_posting_the_folded_check_breaks_that_rank_only
     # The lean check posts its round and spins in one call (ShmAllgather.exchange): an interrupt there
     # leaves the round out, so the rank must refuse every later call, as after an interrupted wait.
     from mpistrat.comm import RankCommunicator
-    from mpistrat.comm.errors import CommunicatorBrokenError
 
     monkeypatch.delenv("MPISTRAT_SHM_MIN_BYTES", raising=False)
     monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
@@ -155,26 +154,38 @@ def test_an_interrupt_right_after_posting_the_folded_check_breaks_that_rank_only
         guard = rc._guard
         if guard._exchange is None:
             pytest.skip("the check goes over MPI here (MPISTRAT_AGREEMENT=mpi)")
-        if comm.rank == 1:
-            exchange = guard._exchange
+        exchange = guard._exchange
 
-            def interrupted(h, aux, deadline, spins):
-                exchange(h, aux, deadline, -1)  # posted, not yet complete
-                raise KeyboardInterrupt
+        def interrupted(h, aux, deadline, spins):
+            exchange(h, aux, deadline, -1)  # posted, not yet complete
+            raise KeyboardInterrupt
 
-            guard._exchange = interrupted
-            with pytest.raises(KeyboardInterrupt):
-                rc.allreduce([np.full(256, 10.0)], "sum")
-            assert guard.broken and "interrupted on rank 1" in guard.broken
-            with pytest.raises(CommunicatorBrokenError, match="interrupted on rank 1"):
-                rc.allreduce([np.ones(256)], "sum")
-        else:
-            expected = 10 + sum(1.0 for r in range(comm.size) if r != 1)
-            assert np.all(rc.allreduce([np.ones(256)], "sum")[0] == expected)
-            with pytest.raises(CollectiveTimeoutError, match="rank 1"):
-                rc.allreduce([np.ones(256)], "sum")
+        _interrupt_rank_one(comm, rc, lambda: setattr(guard, "_exchange", interrupted), barrier=False)
     finally:
         rc.close()  # every guard is broken by now: local clean-up only
+
+
+def _interrupt_rank_one(comm, rc, interrupt, barrier):
+    """Rank 1 calls ``interrupt()`` (it patches where its next call is interrupted), then that call raises
+    KeyboardInterrupt and breaks its communicator; the other ranks' call still gets rank 1's data (posted
+    before the interrupt), their next one times out naming rank 1. ``barrier``: the others call only once
+    rank 1 gave up."""
+    from mpistrat.comm.errors import CommunicatorBrokenError
+
+    if comm.rank == 1:
+        interrupt()
+        with pytest.raises(KeyboardInterrupt):
+            rc.allreduce([np.full(256, 10.0)], "sum")
+        assert rc._guard.broken and "interrupted on rank 1" in rc._guard.broken
+        with pytest.raises(CommunicatorBrokenError, match="interrupted on rank 1"):
+            rc.allreduce([np.ones(256)], "sum")
+    if barrier:
+        comm.Barrier()
+    if comm.rank != 1:
+        expected = 10 + sum(1.0 for r in range(comm.size) if r != 1)
+        assert np.all(rc.allreduce([np.ones(256)], "sum")[0] == expected)
+        with pytest.raises(CollectiveTimeoutError, match="rank 1"):
+            rc.allreduce([np.ones(256)], "sum")
 
 
 @pytest.mark.gpu
@@ -256,7 +267,6 @@ def test_an_interrupt_while_the_compiled_lane_waits_for_a_late_peer_breaks_that_
     # The lane posts and spins in C; a peer later than the spin hands the round to the guard's wait, and an
     # interrupt there leaves the round out: the rank refuses every later call, its peers finish this one.
     from mpistrat.comm import RankCommunicator
-    from mpistrat.comm.errors import CommunicatorBrokenError
 
     for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
         monkeypatch.delenv(name, raising=False)
@@ -267,23 +277,11 @@ def test_an_interrupt_while_the_compiled_lane_waits_for_a_late_peer_breaks_that_
             rc.allreduce([np.ones(256)], "sum")  # planned: the next calls take the lane
         plan = rc._planner.singles[("sum", None, (256,), np.dtype(np.float64), np.ndarray)]
         assert plan.lane is not None
-        guard = rc._guard
-        if comm.rank == 1:
-            def interrupted(*args):
-                raise KeyboardInterrupt
 
-            guard._wait = interrupted  # the lane returned without a peer: the guard's wait is next
-            with pytest.raises(KeyboardInterrupt):
-                rc.allreduce([np.full(256, 10.0)], "sum")
-            assert guard.broken and "interrupted on rank 1" in guard.broken
-            with pytest.raises(CommunicatorBrokenError, match="interrupted on rank 1"):
-                rc.allreduce([np.ones(256)], "sum")
-            comm.Barrier()
-        else:
-            comm.Barrier()  # rank 1 has posted and given up waiting
-            expected = 10 + sum(1.0 for r in range(comm.size) if r != 1)
-            assert np.all(rc.allreduce([np.ones(256)], "sum")[0] == expected)
-            with pytest.raises(CollectiveTimeoutError, match="rank 1"):
-                rc.allreduce([np.ones(256)], "sum")
+        def interrupted(*args):
+            raise KeyboardInterrupt
+
+        # The others wait at the barrier, so rank 1's lane returns without them and the guard's wait is next.
+        _interrupt_rank_one(comm, rc, lambda: setattr(rc._guard, "_wait", interrupted), barrier=True)
     finally:
         rc.close()  # every guard is broken by now: local clean-up only
