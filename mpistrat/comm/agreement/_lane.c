@@ -7,26 +7,31 @@
  * posted the round with this rank's fingerprint and aux and no deadline has passed; anything else
  * goes back to the Python path (mpistrat/comm/agreement/lane.py), which judges and waits as always.
  *
- * run(table, mine, round, lines, h, aux, deadline, spins, src, slot, slots, dst, kind)
+ * run(table, mine, round, lines, h, aux, deadline, spins, src, slot, slots, dst, kind, capacity)
  *   table:    address of the check's int64 table (ShmAllgather's)
  *   mine:     item index of this rank's line for this round's parity (round word; h, aux, deadline after)
  *   lines:    bytes, int64 item index of every rank's line for this parity, in rank order
  *   src, dst: C-contiguous buffers of the call's bytes (dst writable)
  *   slot:     address of this rank's slot; slots: bytes, uint64 address of every rank's slot, rank order
- *   kind:     KIND_* below (dtype and op)
- * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls) or the
- * round's lines as a list of ints (every rank posted, but the verdict is not the common one).
+ *   kind:     KIND_* below (dtype and op); capacity: the bytes a slot holds
+ * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls) or False
+ * (every rank posted, but the verdict is not the common one: the caller reads the lines and judges).
+ * Every error is raised before the round is posted; after it, nothing can fail.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <float.h>
 #include <time.h>
+
+/* The float sums must be NumPy's bits: IEEE adds in the declared precision, nothing reassociated. */
+#if defined(__FAST_MATH__) || (defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD != 0)
+#error "the compiled lane needs IEEE float adds (no -ffast-math, FLT_EVAL_METHOD 0): built without it"
+#endif
 
 enum { KIND_SUM_F32, KIND_SUM_F64, KIND_SUM_I32, KIND_SUM_I64, KIND_MIN_I32, KIND_MIN_I64, KIND_MAX_I32,
        KIND_MAX_I64, KIND_COUNT };
-
-#define LINE_ITEMS 8 /* ShmAllgather's: a 64-byte cache line per rank */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -36,10 +41,11 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static int64_t now_ms(void) { /* int(time.time() * 1000): the guard's clock */
+static int64_t now_ms(void) { /* int(time.time() * 1000), computed as Python does: the guard's clock */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    double seconds = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    return (int64_t)(seconds * 1000.0);
 }
 
 /* The sums in local-rank order, ((s0 + s1) + s2) + ..., each element as NumPy's ufunc computes it
@@ -71,8 +77,8 @@ static void reduce(int kind, void *dst, const uint64_t *slots, Py_ssize_t n, Py_
 }
 
 static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "_lane.run takes 13 arguments");
+    if (nargs != 14) {
+        PyErr_SetString(PyExc_TypeError, "_lane.run takes 14 arguments");
         return NULL;
     }
     volatile int64_t *table = (volatile int64_t *)PyLong_AsVoidPtr(args[0]);
@@ -81,7 +87,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int64_t h = PyLong_AsLongLong(args[4]), aux = PyLong_AsLongLong(args[5]), deadline = PyLong_AsLongLong(args[6]);
     long spins = PyLong_AsLong(args[7]);
     char *slot = (char *)PyLong_AsVoidPtr(args[9]);
-    int kind = (int)PyLong_AsLong(args[12]);
+    long kind = PyLong_AsLong(args[12]);
+    Py_ssize_t capacity = PyLong_AsSsize_t(args[13]);
     if (PyErr_Occurred())
         return NULL;
     if (!PyBytes_Check(args[3]) || !PyBytes_Check(args[10]) || kind < 0 || kind >= KIND_COUNT) {
@@ -104,8 +111,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     PyObject *result = NULL;
-    if (src.len != dst.len) {
-        PyErr_SetString(PyExc_ValueError, "_lane.run: src and dst differ in size");
+    if (src.len != dst.len || src.len > capacity) {
+        PyErr_SetString(PyExc_ValueError, "_lane.run: src and dst differ in size, or do not fit a slot");
         goto done;
     }
     memcpy(slot, src.buf, (size_t)src.len);
@@ -131,23 +138,10 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_ssize_t at = lines[r];
         common = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
     }
-    if (common) {
-        reduce(kind, dst.buf, slots, n, dst.len);
-        result = Py_True;
-        Py_INCREF(result);
-        goto done;
-    }
-    result = PyList_New(n * LINE_ITEMS); /* the round's lines, as ShmAllgather.values returns them */
-    if (result == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n * LINE_ITEMS; i++) {
-        PyObject *v = PyLong_FromLongLong(table[lines[0] + i]);
-        if (v == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, v);
-    }
+    if (common)
+        reduce((int)kind, dst.buf, slots, n, dst.len);
+    result = common ? Py_True : Py_False;
+    Py_INCREF(result);
 done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);

@@ -123,6 +123,7 @@ class AgreementGuard:
         self.abandoned_seq: int | None = None
         self._open: tuple | None = None  # a started check: (request, key, timeout, fingerprint, arrival ms, deadline ms)
         self._stall_warning, self._stall_shutdown = settings.stall_warning_seconds, settings.stall_shutdown_seconds
+        self._timeout_cap = self._stall_shutdown or float("inf")  # a stall shutdown shortens every check's timeout
         self._exited: dict[int, tuple] = {}  # rank -> (its last seq, how it ended)
         self._waiting_for: tuple | None = None  # the wait in progress: (request, key, start, deadline)
         self._next_stall = 0.0
@@ -197,15 +198,13 @@ class AgreementGuard:
 
     def effective_timeout(self, timeout: float) -> float:
         """A check's timeout: ``timeout``, or the stall shutdown's where shorter."""
-        shutdown = self._stall_shutdown
-        return shutdown if shutdown and shutdown < timeout else timeout
+        return min(timeout, self._timeout_cap)
 
     def _opening(self, key: CallKey, timeout: float, h: int | None) -> tuple[float, int, int, int]:
         """A new check's timeout (:meth:`effective_timeout`), fingerprint, arrival and deadline (ms, this
-        rank's clock); counts the check. The compiled lane (lane.py) opens its rounds the same way."""
-        shutdown = self._stall_shutdown
-        if shutdown and shutdown < timeout:
-            timeout = shutdown
+        rank's clock); counts the check. The compiled lane (lane.py) opens its rounds the same way, and
+        keeps ``seq`` and ``_open`` as this class does."""
+        timeout = min(timeout, self._timeout_cap)  # effective_timeout, inline: every check
         if h is None:
             h = fingerprint(key)
         self.seq += 1

@@ -68,7 +68,7 @@ class CompiledLane:
     """
 
     __slots__ = ("_check", "_guard", "_gather", "_transport", "_prepared", "_kind", "_key", "_h", "_timeout",
-                 "_timeout_ms", "_aux", "_aux_values", "_table", "_mine", "_lines", "_slots")
+                 "_timeout_ms", "_aux", "_aux_values", "_table", "_mine", "_lines", "_items", "_slots", "_capacity")
 
     def __init__(self, check: FoldedCheck, guard: AgreementGuard, gather: ShmAllgather, transport: SmallShmTransport,
                  prepared: Any, kind: int) -> None:
@@ -79,7 +79,9 @@ class CompiledLane:
         self._timeout_ms = int(self._timeout * 1000)
         self._aux_values = [self._aux] * guard.size
         self._table, self._mine, self._lines = gather.layout()
+        self._items = gather._items  # this rank's round word tells whether a call that raised had posted
         self._slots = transport.slot_addresses(prepared)
+        self._capacity = transport.max_bytes
 
     def __call__(self, src: np.ndarray, dst: np.ndarray) -> bool:
         """Reduce ``src`` (C-contiguous, the plan's shape and dtype) into ``dst``; False, having done
@@ -88,38 +90,49 @@ class CompiledLane:
         gather = self._gather
         if guard._open is not None or not gather._done:
             return False
-        guard.seq += 1  # AgreementGuard._opening, with the plan's fingerprint and timeout
-        arrival = int(time.time() * 1000)
-        deadline = arrival + self._timeout_ms
-        gather._round = current = gather._round + 1  # ShmAllgather.exchange's bookkeeping
+        current = gather._round + 1
         parity = current & 1
+        mine = self._mine[parity]
         transport = self._transport
-        mine, slots = self._slots[transport.slot]
         try:
-            out = _lane.run(self._table, self._mine[parity], current, self._lines[parity], self._h, self._aux,
-                            deadline, guard._spins, src, mine, slots, dst, self._kind)
-        except BaseException:  # raised before the round was posted (a bad buffer): undo, the caller tells peers
-            gather._round -= 1
-            guard.seq -= 1
+            # AgreementGuard._opening and ShmAllgather.exchange's bookkeeping, with the plan's fingerprint
+            # and timeout; only the calls below can raise, so both counters have moved when they do.
+            gather._round = current
+            guard.seq += 1
+            arrival = int(time.time() * 1000)
+            deadline = arrival + self._timeout_ms
+            slot, slots = self._slots[transport.slot]
+            out = _lane.run(self._table, mine, current, self._lines[parity], self._h, self._aux, deadline,
+                            guard._spins, src, slot, slots, dst, self._kind, self._capacity)
+        except BaseException as exc:
+            if self._items[mine] != current:  # before the post (the kernel's errors, a signal): undo
+                gather._round = current - 1
+                guard.seq -= 1
+                raise  # pending: the caller tells the peers (FoldedCheck.fail)
+            # After the post (a signal handled as the kernel returned): the round is out, and this rank
+            # cannot know whether its peers read it; as for an interrupted check, the guard is broken.
+            self._check.pending = False
+            guard._interrupted(self._key, exc)
             raise
         self._check.pending = False
         if out is True:  # every rank posted this call, in time: summed
             guard.aux_values = self._aux_values
-            transport.slot ^= 1
+            transport.slot ^= 1  # whoever sums a call's slots flips their parity (SmallShmTransport.slot)
             return True
         opened = (gather, self._key, self._timeout, self._h, arrival, deadline)
-        if out is None:  # posted; a peer is later than the spin: the guard waits, judges (or raises)
-            gather._next = 0
-            gather._done = False
-            guard._open = opened
-            try:
+        try:
+            if out is None:  # posted; a peer is later than the spin: the guard waits, judges (or raises)
+                gather._next = 0
+                gather._done = False
+                guard._open = opened
                 values = guard._complete(True, 0)
-            except BaseException as exc:
-                if guard._open is opened:  # interrupted before the wait took the round: it is still out
-                    guard._interrupted(self._key, exc)
-                raise
-        else:  # every rank posted, but not all the same call in time: the guard's verdict (or its error)
-            now = int(time.time() * 1000)
-            values = guard._judge(out, opened, False, now, now, True)
+            else:  # every rank posted, but not all the same call in time: the guard's verdict (or its error)
+                now = int(time.time() * 1000)
+                values = guard._judge(gather.values(), opened, False, now, now, True)
+        except BaseException as exc:
+            # A verdict's errors leave the guard consistent; an interrupt before the round was judged does not.
+            if guard._open is opened or (out is False and not isinstance(exc, Exception)):
+                guard._interrupted(self._key, exc)
+            raise
         transport.finish_prepared(self._prepared, dst, self._check.verdict(values))
         return True

@@ -39,6 +39,10 @@ class ShmAllgather:
     after every rank posted round ``k``, and a rank posts ``k + 1`` only after
     it read round ``k``, so a peer is never more than one round ahead and never
     overwrites a slot that a rank still has to read.
+
+    The compiled lane (:mod:`~mpistrat.comm.agreement.lane`) posts rounds in the same table from C and
+    keeps this class's books (``_round``, ``_done``, ``_next``) as :meth:`exchange` does: a change to
+    the layout or to that bookkeeping changes both.
     """
 
     def __init__(self, comm: MPI.Comm, send: np.ndarray, recv: np.ndarray) -> None:
