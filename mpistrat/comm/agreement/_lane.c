@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <float.h>
+#include <sched.h>
 #include <time.h>
 
 /* The float sums must be NumPy's bits: IEEE adds in the declared precision, nothing reassociated. */
@@ -39,6 +40,14 @@ static inline void cpu_relax(void) {
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+}
+
+#define YIELD_NS 1000000 /* 1 ms: the guard's waiter ticks (queries, exit notices) every millisecond */
+
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
 static int64_t now_ms(void) { /* int(time.time() * 1000), computed as Python does: the guard's clock */
@@ -121,14 +130,38 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     table[mine + 3] = deadline;
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the slot and the values before the round number */
     table[mine] = round;
-    for (Py_ssize_t r = 0; r < n; r++) {
-        while (table[lines[r]] != round) {
-            if (spins-- <= 0) {
-                result = Py_None;
-                Py_INCREF(result);
-                goto done;
-            }
+    Py_ssize_t r = 0;
+    for (; r < n; r++) { /* the spin: a peer about to arrive costs nothing more */
+        while (table[lines[r]] != round && spins > 0) {
+            spins--;
             cpu_relax();
+        }
+        if (table[lines[r]] != round)
+            break;
+    }
+    if (r < n) {
+        /* Then yield the core for up to YIELD_NS, as the guard's waiter would next (a peer that shares
+         * this core runs meanwhile); the GIL is released as os.sched_yield releases it. Past that, the
+         * guard waits with its timeouts, stall reports and queries. */
+        int arrived = 0;
+        Py_BEGIN_ALLOW_THREADS
+        int64_t until = mono_ns() + YIELD_NS;
+        for (;;) {
+            while (r < n && table[lines[r]] == round)
+                r++;
+            if (r == n) {
+                arrived = 1;
+                break;
+            }
+            if (mono_ns() > until)
+                break;
+            sched_yield();
+        }
+        Py_END_ALLOW_THREADS
+        if (!arrived) {
+            result = Py_None;
+            Py_INCREF(result);
+            goto done;
         }
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the round numbers before the values and the slots */
