@@ -14,7 +14,8 @@
  *   src, dst: C-contiguous buffers of the call's bytes (dst writable)
  *   slot:     address of this rank's slot; slots: bytes, uint64 address of every rank's slot, rank order
  *   kind:     KIND_* below (dtype and op); capacity: the bytes a slot holds
- * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls) or False
+ * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls and then
+ * YIELD_NS of yields) or False
  * (every rank posted, but the verdict is not the common one: the caller reads the lines and judges).
  * Every error is raised before the round is posted; after it, nothing can fail.
  */

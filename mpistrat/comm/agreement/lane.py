@@ -7,7 +7,7 @@ price after the data of the call before went through the caches. :class:`Compile
 one call of ``_lane.run`` (``_lane.c``), which keeps the same memory protocol as
 :class:`~mpistrat.comm.agreement.shm_allgather.ShmAllgather` and the transport, so it meets ranks on
 the Python path in the same round. It sums only after every rank posted this rank's fingerprint and
-``aux`` with no deadline passed; every other outcome (a rank later than the spin, a mismatch, a
+``aux`` with no deadline passed; every other outcome (a rank later than the spin and 1 ms of yields, a mismatch, a
 deadline) goes back to the guard, which waits, judges and raises as always, before any data is
 combined. The extension is optional: without it (no compiler at install) or with
 ``MPISTRAT_COMPILED_LANE=0`` every call takes the Python path.
