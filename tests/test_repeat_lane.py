@@ -266,43 +266,32 @@ def test_repeated_calls_give_numpys_bits_in_local_rank_order(strategy, comm, lan
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("error", [KeyboardInterrupt, MemoryError])
-def test_an_error_raised_as_the_compiled_lane_returns_after_posting_breaks_that_rank_only(comm, monkeypatch, error):
+def test_an_error_raised_as_the_compiled_lane_returns_after_posting_breaks_that_rank_only(comm, monkeypatch, lane_rc,
+                                                                                         error):
     # A signal handled as the kernel returns (or any error after its post) loses what it returned: the
     # round is out, maybe summed by the peers, so this rank must not undo it, nor tell its peers over a
     # round they finished (that would mismatch and wait): the guard is broken, as for an interrupted check.
-    from mpistrat.comm import RankCommunicator
     from mpistrat.comm.agreement import lane
 
-    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1")
-    rc = RankCommunicator(comm, CommunicationOptions(timeout_seconds=2))
-    try:
-        for _ in range(2):
-            rc.allreduce([np.ones(256)], "sum")
-        kernel = lane._lane
+    kernel = lane._lane
 
-        class RaisingAfterPost:
-            def __getattr__(self, name):
-                return getattr(kernel, name)
+    class RaisingAfterPost:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
 
-            def run(self, *args):
-                kernel.run(*args)
-                raise error
+        def run(self, *args):
+            kernel.run(*args)
+            raise error
 
-        def interrupt():
-            monkeypatch.setattr(lane, "_lane", RaisingAfterPost())
+    def interrupt():
+        monkeypatch.setattr(lane, "_lane", RaisingAfterPost())
 
-        _interrupt_rank_one(comm, rc, interrupt, barrier=False, error=error)
-    finally:
-        rc.close()
+    _interrupt_rank_one(comm, lane_rc, interrupt, barrier=False, error=error)
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(60)
-def test_an_interrupt_while_the_compiled_lane_waits_for_a_late_peer_breaks_that_rank_only(comm, monkeypatch):
-    # The lane posts and spins in C; a peer later than the spin hands the round to the guard's wait, and an
-    # interrupt there leaves the round out: the rank refuses every later call, its peers finish this one.
+@pytest.fixture
+def lane_rc(comm, monkeypatch):
+    """A communicator (2 s timeout) whose repeated call of 256 float64 takes the compiled lane."""
     from mpistrat.comm import RankCommunicator
 
     for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
@@ -312,13 +301,19 @@ def test_an_interrupt_while_the_compiled_lane_waits_for_a_late_peer_breaks_that_
     try:
         for _ in range(2):
             rc.allreduce([np.ones(256)], "sum")  # planned: the next calls take the lane
-        plan = rc._planner.singles[("sum", None, (256,), np.dtype(np.float64), np.ndarray)]
-        assert plan.lane is not None
-
-        def interrupted(*args):
-            raise KeyboardInterrupt
-
-        # The others wait at the barrier, so rank 1's lane returns without them and the guard's wait is next.
-        _interrupt_rank_one(comm, rc, lambda: setattr(rc._guard, "_wait", interrupted), barrier=True)
+        assert rc._planner.singles[("sum", None, (256,), np.dtype(np.float64), np.ndarray)].lane is not None
+        yield rc
     finally:
-        rc.close()  # every guard is broken by now: local clean-up only
+        rc.close()  # every guard is broken by the tests using it: local clean-up only
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_the_compiled_lane_waits_for_a_late_peer_breaks_that_rank_only(comm, lane_rc):
+    # The lane posts and spins in C; a peer later than the spin hands the round to the guard's wait, and an
+    # interrupt there leaves the round out: the rank refuses every later call, its peers finish this one.
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    # The others wait at the barrier, so rank 1's lane returns without them and the guard's wait is next.
+    _interrupt_rank_one(comm, lane_rc, lambda: setattr(lane_rc._guard, "_wait", interrupted), barrier=True)
