@@ -317,3 +317,44 @@ def test_an_interrupt_while_the_compiled_lane_waits_for_a_late_peer_breaks_that_
 
     # The others wait at the barrier, so rank 1's lane returns without them and the guard's wait is next.
     _interrupt_rank_one(comm, lane_rc, lambda: setattr(lane_rc._guard, "_wait", interrupted), barrier=True)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_an_interrupt_between_a_completed_round_and_its_verdict_breaks_that_rank_only(comm, monkeypatch):
+    # The Python path's round completes inside ShmAllgather.exchange; a signal handled right after (at the
+    # verdict's clock reading) leaves a round the peers judged and went on from: this rank is broken.
+    import time as real_time
+
+    from mpistrat.comm import RankCommunicator
+    from mpistrat.comm.agreement import guard as guard_module
+
+    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "0")
+    rc = RankCommunicator(comm, CommunicationOptions(timeout_seconds=2))
+
+    class Clock:  # time.time raises at its second reading of a call: the verdict's, after the round
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+        def time(self):
+            self.calls += 1
+            if self.calls == 2:
+                raise KeyboardInterrupt
+            return real_time.time()
+
+    def interrupt():
+        real_time.sleep(0.3)  # the others are waiting: this rank's round completes at its post
+        monkeypatch.setattr(guard_module, "time", Clock())
+
+    try:
+        for _ in range(2):
+            rc.allreduce([np.ones(256)], "sum")
+        if rc._guard._exchange is None:
+            pytest.skip("the check goes over MPI here")
+        _interrupt_rank_one(comm, rc, interrupt, barrier=False)
+    finally:
+        rc.close()

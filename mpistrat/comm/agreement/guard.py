@@ -161,13 +161,18 @@ class AgreementGuard:
         if values is None:
             return self._complete(True, 0)  # spun already: wait
         self._open = None
-        now = int(time.time() * 1000)
-        stride = self._stride
-        # The common verdict, _judge's without a call: no deadline passed, every fingerprint ours.
-        if now <= deadline and min(values[3::stride]) >= now and values[1::stride].count(h) == self.size:
-            self.aux_values = aux_values = values[2::stride]
-            return aux_values
-        return self._judge(values, opened, False, now, now, True)
+        try:
+            now = int(time.time() * 1000)
+            stride = self._stride
+            # The common verdict, _judge's without a call: no deadline passed, every fingerprint ours.
+            if now <= deadline and min(values[3::stride]) >= now and values[1::stride].count(h) == self.size:
+                self.aux_values = aux_values = values[2::stride]
+                return aux_values
+            return self._judge(values, opened, False, now, now, True)
+        except BaseException as exc:  # a verdict's errors leave the guard consistent; an interrupt does not
+            if not isinstance(exc, Exception):
+                self._interrupted(key, exc)
+            raise
 
     @property
     def started(self) -> bool:
@@ -259,11 +264,12 @@ class AgreementGuard:
         return self._judge(self._read(), opened, late, resumed, completed, list_only)
 
     def _interrupted(self, key: CallKey, exc: BaseException) -> None:
-        """A wait for a posted round ended by ``exc``: this guard is broken (the peers may still read it)."""
+        """A posted round ended by ``exc`` before its verdict: this guard is broken (the peers may still
+        read the round, or have gone on to the call's data without this rank)."""
         self._open = None
         if self.broken is None:
             self.broken = (f"collective #{self.seq} ({describe_call(key)}) was interrupted on rank "
-                           f"{self.rank} before every rank arrived ({type(exc).__name__})")
+                           f"{self.rank} in its agreement round ({type(exc).__name__})")
 
     def _judge(self, values: list[int], opened: tuple, late: bool, resumed: float, completed: float,
                list_only: bool) -> Any:
