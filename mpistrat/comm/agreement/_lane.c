@@ -60,7 +60,7 @@ static int64_t now_ms(void) { /* int(time.time() * 1000), computed as Python doe
 
 /* The sums in local-rank order, ((s0 + s1) + s2) + ..., each element as NumPy's ufunc computes it
  * (IEEE adds for floats; integers wrap, done unsigned). */
-#define REDUCE(T, U, COMBINE)                                                                        \
+#define REDUCE(T, COMBINE)                                                                           \
     do {                                                                                             \
         T *restrict d = (T *)dst; /* a private result: it aliases no slot, so the loops vectorize */  \
         const T *a = (const T *)(uintptr_t)slots[0], *b = (const T *)(uintptr_t)slots[1];            \
@@ -75,14 +75,14 @@ static int64_t now_ms(void) { /* int(time.time() * 1000), computed as Python doe
 static void reduce(int kind, void *dst, const uint64_t *slots, Py_ssize_t n, Py_ssize_t nbytes) {
     Py_ssize_t count;
     switch (kind) {
-    case KIND_SUM_F32: count = nbytes / 4; REDUCE(float, float, x + y); break;
-    case KIND_SUM_F64: count = nbytes / 8; REDUCE(double, double, x + y); break;
-    case KIND_SUM_I32: count = nbytes / 4; REDUCE(int32_t, uint32_t, ADD_WRAP(int32_t, uint32_t)); break;
-    case KIND_SUM_I64: count = nbytes / 8; REDUCE(int64_t, uint64_t, ADD_WRAP(int64_t, uint64_t)); break;
-    case KIND_MIN_I32: count = nbytes / 4; REDUCE(int32_t, int32_t, y < x ? y : x); break;
-    case KIND_MIN_I64: count = nbytes / 8; REDUCE(int64_t, int64_t, y < x ? y : x); break;
-    case KIND_MAX_I32: count = nbytes / 4; REDUCE(int32_t, int32_t, y > x ? y : x); break;
-    case KIND_MAX_I64: count = nbytes / 8; REDUCE(int64_t, int64_t, y > x ? y : x); break;
+    case KIND_SUM_F32: count = nbytes / 4; REDUCE(float, x + y); break;
+    case KIND_SUM_F64: count = nbytes / 8; REDUCE(double, x + y); break;
+    case KIND_SUM_I32: count = nbytes / 4; REDUCE(int32_t, ADD_WRAP(int32_t, uint32_t)); break;
+    case KIND_SUM_I64: count = nbytes / 8; REDUCE(int64_t, ADD_WRAP(int64_t, uint64_t)); break;
+    case KIND_MIN_I32: count = nbytes / 4; REDUCE(int32_t, y < x ? y : x); break;
+    case KIND_MIN_I64: count = nbytes / 8; REDUCE(int64_t, y < x ? y : x); break;
+    case KIND_MAX_I32: count = nbytes / 4; REDUCE(int32_t, y > x ? y : x); break;
+    case KIND_MAX_I64: count = nbytes / 8; REDUCE(int64_t, y > x ? y : x); break;
     }
 }
 
@@ -168,8 +168,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the round numbers before the values and the slots */
     int64_t now = now_ms();
     int common = now <= deadline;
-    for (Py_ssize_t r = 0; r < n && common; r++) {
-        Py_ssize_t at = lines[r];
+    for (Py_ssize_t i = 0; i < n && common; i++) {
+        Py_ssize_t at = lines[i];
         common = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
     }
     if (common)
@@ -184,7 +184,7 @@ done:
 
 static PyMethodDef lane_methods[] = {
     {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
-     "Copy in, post the check's round, spin, judge and sum: True, None or the round's lines."},
+     "Copy in, post the check's round, spin, judge and sum: True (summed), None (a peer late) or False."},
     {NULL, NULL, 0, NULL},
 };
 

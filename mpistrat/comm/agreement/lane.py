@@ -53,8 +53,8 @@ def compiled_lane(enabled: bool, check: FoldedCheck, guard: AgreementGuard | Non
     False (``MPISTRAT_COMPILED_LANE``), a guard that does not gather in shared memory, a transport other
     than ``shm-small``, an empty array, or an op and dtype the kernel leaves to NumPy."""
     kind = _KINDS.get((op, np.dtype(dtype)))
-    if (not enabled or kind is None or nbytes == 0 or guard is None or not isinstance(transport, SmallShmTransport)
-            or not isinstance(guard.gather, ShmAllgather)):
+    if (not enabled or kind is None or nbytes == 0 or guard is None or guard.gather is None
+            or not isinstance(transport, SmallShmTransport)):
         return None
     return CompiledLane(check, guard, guard.gather, transport, prepared, kind)
 
