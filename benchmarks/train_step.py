@@ -206,6 +206,9 @@ class StrategyStep:
             handles.append((layer, start(ms.ReduceOp.SUM, [dkernel, dbias])))
             reducing += time.perf_counter() - t0
         reduced: list[Any] = [None] * len(params)
+        # The weights read for this step are snapshots (``value()``): while one is held, the update cannot
+        # subtract in place and copies the variable instead. The blocking step drops them with its call.
+        del params, acts
         t0 = time.perf_counter()
         for layer, handle in handles:
             reduced[2 * layer], reduced[2 * layer + 1] = handle.result()

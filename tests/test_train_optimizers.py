@@ -147,3 +147,67 @@ def test_foreign_and_big_endian_gradients_are_converted_once():
     np.testing.assert_array_equal(b.numpy(), np.full(3, -1.0, np.float32))
     with pytest.raises(TypeError, match="gradient of a"):
         opt.apply_gradients([(np.array(["x", "y", "z"]), a)])
+
+
+def test_update_each_updates_copy_i_of_every_variable_under_replica_i():
+    """``extended._update_each`` (an optimizer's step): each copy gets its own component of a distributed
+    value, a plain value as it is, under the frame of its copy, in the order of the variables."""
+    from mpistrat.distribute import context
+
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        a = ms.Variable(np.zeros(2), name="a")
+        b = ms.Variable(np.zeros(2), name="b")
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(2, 10.0 + ctx.replica_id_in_sync_group))
+    seen = []
+
+    def fn(copy, value, j):
+        seen.append((j, copy.device, context.local_replica_id_of(strategy), float(value[0])))
+        copy.assign_add(value)
+
+    with strategy.scope():
+        strategy.extended._update_each([a, b], fn, [per_replica, np.ones(2)])
+    devices = [c.device for c in a.values]
+    assert seen == [(0, devices[0], 0, 10.0), (1, devices[0], 0, 1.0),
+                    (0, devices[1], 1, 11.0), (1, devices[1], 1, 1.0)]
+    assert [c.numpy().tolist() for c in a.values] == [[10.0, 10.0], [11.0, 11.0]]
+    assert [c.numpy().tolist() for c in b.values] == [[1.0, 1.0], [1.0, 1.0]]
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        strategy.run(lambda: strategy.extended._update_each([a], fn, [np.ones(2)]))
+
+
+def test_update_each_sends_other_variables_through_update():
+    """A plain variable (the default strategy, central storage) is updated by ``extended.update``, which a
+    strategy may override."""
+    plain = ms.Variable(np.zeros(2))
+    ms.get_strategy().extended._update_each([plain], lambda copy, value, j: copy.assign_add(value + j), [np.ones(2)])
+    assert plain.numpy().tolist() == [1.0, 1.0]
+    strategy = ms.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        central = ms.Variable(np.zeros(2))
+        opt = SGD(1.0)
+    strategy.run(lambda: opt.apply_gradients([(np.ones(2), central)]))  # summed over the two replicas
+    assert central.numpy().tolist() == [-2.0, -2.0]
+
+
+def test_an_optimizer_step_leaves_a_held_value_alone_and_constrains_only_its_variable():
+    """The in-place update applies only where nobody holds the variable's array: a value read before the
+    step is a snapshot. A constraint projects its own variable only."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        free = ms.Variable(np.ones(3, np.float32), name="free")
+        held = ms.Variable(np.ones(3, np.float32), name="held")
+        clipped = ms.Variable(np.ones(3, np.float32), name="clipped", constraint=lambda x: np.clip(x, 0.5, 2.0))
+        opt = SGD(1.0)
+    snapshot = held.value()
+    grads = [np.full(3, 0.25, np.float32), np.full(3, 0.5, np.float32), np.full(3, 2.0, np.float32)]
+
+    def step():
+        opt.apply_gradients(zip(grads, [free, held, clipped]), experimental_aggregate_gradients=False)
+
+    strategy.run(step)
+    assert snapshot.tolist() == [1.0] * 3
+    assert free.numpy().tolist() == [0.75] * 3 and held.numpy().tolist() == [0.5] * 3
+    assert clipped.numpy().tolist() == [0.5] * 3  # 1 - 2 = -1, clipped into [0.5, 2]
+    assert int(opt.iterations.numpy()) == 1

@@ -198,7 +198,8 @@ def test_updates_go_through_merge_call_and_metrics_are_sync_on_read(data_dir, mo
     import mpistrat as ms
 
     merges, updates = [], []
-    merge_call, update = ms.ReplicaContext.merge_call, ms.StrategyExtended.update
+    merge_call, update, update_each = ms.ReplicaContext.merge_call, ms.StrategyExtended.update, \
+        ms.StrategyExtended._update_each
 
     def counting_merge(self, merge_fn, args=(), kwargs=None):
         merges.append(self.replica_id_in_sync_group)
@@ -208,8 +209,13 @@ def test_updates_go_through_merge_call_and_metrics_are_sync_on_read(data_dir, mo
         updates.append(var.name)
         return update(self, var, fn, args, kwargs, group)
 
+    def counting_update_each(self, variables, fn, values):  # an optimizer's step: update of each, batched
+        updates.extend(v.name for v in variables)
+        return update_each(self, variables, fn, values)
+
     monkeypatch.setattr(ms.ReplicaContext, "merge_call", counting_merge)
     monkeypatch.setattr(ms.StrategyExtended, "update", counting_update)
+    monkeypatch.setattr(ms.StrategyExtended, "_update_each", counting_update_each)
     args = T.parse_args(["--epochs", "1", "--strategy", "mirrored", "--devices", "/cpu:0,/cpu:1", "--optimizer", "adam",
                          "--data-dir", data_dir, "--hidden", "16", "--no-progress"])
     strategy = T._make_strategy(args)
@@ -220,7 +226,7 @@ def test_updates_go_through_merge_call_and_metrics_are_sync_on_read(data_dir, mo
     result, _ = trainer.train_epoch(0, None)
     steps = trainer.steps_per_epoch
     assert sorted(merges) == [0] * steps + [1] * steps  # every replica enters merge_call once per step
-    for var in trainer.model.trainable_variables:  # one extended.update per model variable and step
+    for var in trainer.model.trainable_variables:  # one update (extended.update or _update_each) per variable, step
         assert updates.count(var.name) == steps, (var.name, updates.count(var.name), steps)
     # each replica's copy holds its own partial sums; the cross-replica read is their sum
     copies = [float(np.asarray(c.numpy())) for c in metrics["count"].values]

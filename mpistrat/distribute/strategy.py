@@ -444,6 +444,35 @@ class StrategyExtended:
             return regroup(results, Mirrored)
         return nest.map_structure(lambda leaf: tuple(leaf.values), regroup(results, Mirrored, always_wrap=True))
 
+    def _update_each(self, variables: Sequence[Any], fn: Callable[[Any, Any, int], None],
+                     values: Sequence[Any]) -> None:
+        """``update(variables[j], fn, (values[j], j), group=False)`` for every j, results dropped (an optimizer's
+        step, in cross-replica context).
+
+        Where every variable is a distributed variable with one copy per local replica, copy i of every
+        variable is updated under one frame and device scope, entered once per i instead of once per
+        variable and copy (the same updates, each copy's in the order of ``variables``); anything else
+        goes through :meth:`update` one variable at a time (a strategy's own ``update`` included).
+        """
+        n = self._num_local
+        if self._is_default or not all(isinstance(v, DistributedValues) and len(v.values) == n for v in variables):
+            for j, (var, value) in enumerate(zip(variables, values)):
+                self.update(var, fn, (value, j), group=False)
+            return
+        self._require_cross_replica_or_default_context()
+        strategy = self._container_strategy()
+        for i in range(n):
+            frame = Frame(strategy, None, update_replica=i)
+            context.push(frame)
+            try:
+                with self._device_scope(self._local_devices[i]):
+                    for j, (var, value) in enumerate(zip(variables, values)):
+                        if isinstance(value, DistributedValues):
+                            value = select_replica(i, value)
+                        fn(var.values[i], value, j)
+            finally:
+                context.pop(frame)
+
     def value_container(self, value: Any) -> Any:
         """The distributed variable holding ``value`` when it is one of its copies, else ``value``."""
         container = getattr(value, "_distributed_container", None)

@@ -137,8 +137,10 @@ class BaseVariable(_Operators):
         """``value`` converted by ``arrays.as_array``; TypeError, naming this variable, its dtype and the
         value's, when becoming this variable's dtype would change its kind (``arrays.kind_change_error``:
         no float truncated into an integer, no imaginary part dropped, no number made a bool)."""
+        if type(value) is np.ndarray and value.dtype == self.dtype:  # the common case (native: as the variable's)
+            return value
         value = arrays.as_array(value, what=f"{method} to variable {self.name}")
-        if type(value) is np.ndarray and value.dtype == self.dtype:  # the common case
+        if type(value) is np.ndarray and value.dtype == self.dtype:
             return value
         error = arrays.kind_change_error(value, self.dtype, f"{method} to variable {self.name!r}")
         if error is not None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from mpistrat.distribute import context
 from mpistrat import devices as dev
-from mpistrat.arrays import as_array
+from mpistrat.arrays import NATIVE_NUMERIC, as_array
 from mpistrat.distribute.values import DistributedValues, ReduceOp
 from mpistrat.distribute.variables import BaseVariable, Variable
 
@@ -30,6 +30,14 @@ def _strategy_of(var: Any) -> Any:
     return getattr(var, "_distribute_strategy", None) or context.get_strategy()
 
 
+_ONE = np.ones((), np.int64)  # iterations' increment, of its dtype (read-only: shared by every optimizer)
+_ONE.flags.writeable = False
+
+
+def _add(copy: Any, delta: Any, j: int) -> None:
+    copy.assign_add(delta)
+
+
 def _key(var: Any) -> Any:
     """How ``var``'s slots are filed: its identity, the same in a copy of the optimizer sent to another rank
     (a parameter server's variable), else the object."""
@@ -43,8 +51,10 @@ class Optimizer:
     context) or in cross-replica context. In replica context it optionally
     sums the gradients over all replicas with one fused ``all_reduce`` and
     then enters ``merge_call``; the update itself runs in cross-replica
-    context through ``strategy.extended.update``, once per local copy of each
-    variable, on that copy's device and array module (NumPy or CuPy). Slot
+    context through the strategy's update (``extended._update_each``: what
+    ``extended.update`` does for each variable, with each local copy's frame
+    entered once for all of them), once per local copy of each variable, on
+    that copy's device and array module (NumPy or CuPy). Slot
     variables (momentum, Adam's moments) and the step counter ``iterations``
     are variables created under the variables' strategy scope, so they are
     mirrored like the weights and can be checkpointed (``optimizer.variables``).
@@ -127,8 +137,8 @@ class Optimizer:
             if not getattr(v, "_is_variable", False):
                 raise TypeError(f"Optimizer {self.name}: expected (gradient, variable) pairs, got a "
                                 f"{type(v).__name__} in the variable position")
-        grads = [g if isinstance(g, DistributedValues) else as_array(g, what=f"Optimizer {self.name}: gradient of {v.name}")
-                 for g, v in pairs]
+        grads = [g if (type(g) is np.ndarray and g.dtype in NATIVE_NUMERIC) or isinstance(g, DistributedValues)
+                 else as_array(g, what=f"Optimizer {self.name}: gradient of {v.name}") for g, v in pairs]
         for g, v in zip(grads, var_list):
             if not isinstance(g, DistributedValues) and tuple(np.shape(g)) != tuple(v.shape):
                 raise ValueError(f"Optimizer {self.name}: gradient of shape {tuple(np.shape(g))} does not match "
@@ -145,15 +155,17 @@ class Optimizer:
         self.build(var_list)
         step = int(np.asarray(self._iterations.numpy())) + 1
         coefficients = self._coefficients(step)
-        for g, v in zip(grads, var_list):
-            slots = self._slots[_key(v)]
-            strategy.extended.update(
-                v, lambda copy, grad: self._update_step(copy, dev.to_device(grad, copy.device), slots, coefficients),
-                args=(g,), group=False)
-        for v in var_list:  # as Keras: each variable's constraint projects it after the update (assign does not)
-            if v.constraint is not None:
-                strategy.extended.update(v, lambda copy: copy.assign(copy.constraint(copy.value())), group=False)
-        self._iterations.assign_add(1)
+        slots = [self._slots[_key(v)] for v in var_list]
+        update_step, to_device = self._update_step, dev.to_device
+
+        def update(copy: Any, grad: Any, j: int) -> None:
+            update_step(copy, to_device(grad, copy.device), slots[j], coefficients)
+            constraint = copy.constraint  # as Keras: it projects the variable after its update (assign does not)
+            if constraint is not None:
+                copy.assign(constraint(copy.value()))
+
+        strategy.extended._update_each(var_list, update, grads)
+        strategy.extended._update_each((self._iterations,), _add, (_ONE,))  # iterations.assign_add(1), leaner
         return self._iterations
 
     # -- the update rule, per copy --------------------------------------------------
