@@ -1,7 +1,12 @@
-"""The one C extension, which pyproject.toml cannot yet declare outside an experimental table."""
+"""The C extensions, which pyproject.toml cannot yet declare outside an experimental table."""
 
 from setuptools import Extension, setup
 
-# The compiled lane of repeated small all-reduces (mpistrat/comm/agreement/lane.py). Optional: where it
-# does not build (no C compiler), the install goes on and every such call takes the Python path.
-setup(ext_modules=[Extension("mpistrat.comm.agreement._lane", ["mpistrat/comm/agreement/_lane.c"], optional=True)])
+# Both are optional: where they do not build (no C compiler), the install goes on and the calls they
+# speed up take their Python paths.
+setup(ext_modules=[
+    # The compiled lane of repeated small all-reduces (mpistrat/comm/agreement/lane.py).
+    Extension("mpistrat.comm.agreement._lane", ["mpistrat/comm/agreement/_lane.c"], optional=True),
+    # A call's list of arrays matched against its plan's signature and packed (comm/signature.py, fusion.py).
+    Extension("mpistrat.comm._arraylist", ["mpistrat/comm/_arraylist.c"], optional=True),
+])

@@ -263,13 +263,17 @@ class RankCommunicator:
         on every rank. ``structure``: the caller's nesting of the arrays (``nest.structure_signature``,
         dict keys included), checked with the rest, so ranks reducing ``{"a": x}`` and ``{"b": y}`` raise.
         """
-        if (type(arrays) is list and len(arrays) == 1 and options is None and not inplace and type(op) is str
+        if (type(arrays) is list and arrays and options is None and not inplace and type(op) is str
                 and (divisor is None or type(divisor) is int) and structure is None):
-            # A call of one NumPy or CuPy array repeated with the communicator's options: its plan, key and
-            # fingerprint are filed by what the call is made of, so nothing is built or hashed but that.
-            a = arrays[0]
-            if _plain_array(a):
-                result = self.allreduce_repeat(a, op, divisor)
+            # A call repeated with the communicator's options: its plan, key and fingerprint are filed by
+            # what the call is made of (one NumPy or CuPy array; a list of NumPy arrays, matched in C), so
+            # nothing is built or hashed but that.
+            if len(arrays) > 1:
+                results = self.allreduce_repeat_list(arrays, op, divisor)
+                if results is not None:
+                    return results
+            elif _plain_array(arrays[0]):
+                result = self.allreduce_repeat(arrays[0], op, divisor)
                 if result is not None:
                     return [result]
         if self.options.deterministic or getattr(options, "deterministic", False):
@@ -312,6 +316,17 @@ class RankCommunicator:
         if folded.pending:
             folded.fail(RuntimeError(f"transport {type(step.transport).__name__} never called its agreement hook"))
         return dst
+
+    def allreduce_repeat_list(self, arrays: list, op: str, divisor: int | None = None) -> list | None:
+        """``allreduce(arrays, op, divisor=divisor)`` when ``arrays``, a list of NumPy arrays, repeats the latest
+        such call of as many arrays (op spelled as then), matched by its signature in one C loop
+        (``Planner.file_list``), else None: the caller then calls :meth:`allreduce`. The check runs as for
+        any repeated call of the plan."""
+        filed = self._planner.lists.get((op, divisor, len(arrays)))
+        if filed is None or self._worker is not None or timeline.enabled() or not filed[0].matches(arrays):
+            return None
+        plan = filed[1]
+        return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
 
     def _deterministic(self, arrays: Sequence[Any], op: Any, options: CommunicationOptions | None, inplace: bool,
                        divisor: int | None, structure: str | None) -> list:
@@ -419,6 +434,9 @@ class RankCommunicator:
             mode = CHECKED
         if _plain_array(single) and type(op) is str and structure is None:
             self._planner.file_single(op, divisor, single, plan)
+        elif (kinds is None and len(arrays) > 1 and self.size > 1 and options is None and not inplace
+              and phase is None and type(op) is str and structure is None):  # every item exactly an ndarray
+            self._planner.file_list(op, divisor, arrays, plan)
         if self.size == 1:
             if mode != CHECKED:
                 self._agree(key, timeout)  # only checks that the communicator is open

@@ -12,6 +12,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+try:  # built by pip where a C compiler is (setup.py); without it packing takes NumPy's copies
+    from mpistrat.comm import _arraylist
+except ImportError:  # pragma: no cover - depends on the install
+    _arraylist = None
+
 __all__ = ["Bucket", "plan_buckets", "pack", "ResultPool"]
 
 
@@ -86,7 +91,9 @@ def pack(arrays: Sequence[Any], bucket: Bucket, out: Any, xp: Any = np) -> None:
     if len(members) == 1:
         xp.copyto(out.reshape(bucket.shapes[0]), arrays[members[0]])
     elif xp is np:
-        np.concatenate([arrays[i] for i in members], axis=None, out=out)
+        # One C loop where every member is C-contiguous (a memcpy each), else NumPy's generic copies.
+        if _arraylist is None or type(arrays) is not list or not _arraylist.pack(arrays, members, out):
+            np.concatenate([arrays[i] for i in members], axis=None, out=out)
     else:
         xp.concatenate([arrays[i].ravel() for i in members], out=out)
 

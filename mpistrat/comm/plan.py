@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mpistrat.comm.fusion import Bucket, ResultPool, plan_buckets
-from mpistrat.comm.signature import CAI, CUPY, HOST
+from mpistrat.comm.signature import CAI, CUPY, HOST, ListSignature, list_signature
 from mpistrat.comm.transport.base import Transport
 from mpistrat.comm.transport.mpi import mpi_datatype
 from mpistrat.ops import reduce_dtype_error
@@ -99,6 +99,9 @@ class Planner:
         # The same plans, for a call of one NumPy array with the communicator's own options, filed by what
         # such a call is made of (:meth:`file_single`): its signature needs no building.
         self.singles: dict[tuple, Plan] = {}
+        # And for a call of a list of NumPy arrays: the latest plan per op, divisor and length, with the
+        # signature a later list is matched against in one C loop (:meth:`file_list`).
+        self.lists: dict[tuple, tuple[ListSignature, Plan]] = {}
 
     def cached(self, key: Any) -> Plan | None:
         """The plan filed under ``key``, if any."""
@@ -111,6 +114,21 @@ class Planner:
         if len(self.singles) >= PLAN_CACHE_MAX:
             self.singles.clear()
         self.singles[(op, divisor, array.shape, array.dtype, type(array))] = plan
+
+    def file_list(self, op: Any, divisor: int | None, arrays: list, plan: Plan) -> None:
+        """File ``plan`` as the plan of a call of the list ``arrays`` of NumPy arrays (exactly
+        ``numpy.ndarray``; not in place, the communicator's options), op and divisor spelled as given,
+        where the compiled loops are built; it replaces the latest such plan of as many arrays."""
+        key = (op, divisor, len(arrays))
+        filed = self.lists.get(key)
+        if filed is not None and filed[1] is plan:
+            return
+        signature = list_signature(arrays)
+        if signature is None:
+            return
+        if len(self.lists) >= PLAN_CACHE_MAX:
+            self.lists.clear()
+        self.lists[key] = (signature, plan)
 
     @staticmethod
     def invalid(sig: tuple, op: str) -> Exception | None:
@@ -154,6 +172,7 @@ class Planner:
         if len(self._plans) >= PLAN_CACHE_MAX:
             self._plans.clear()
             self.singles.clear()
+            self.lists.clear()
         plan = self._plans[key] = Plan(steps, op)
         return plan
 
@@ -161,6 +180,7 @@ class Planner:
         """Forget every plan."""
         self._plans.clear()
         self.singles.clear()
+        self.lists.clear()
 
 
 def _single_bucket(i: int, entry: tuple) -> Bucket:

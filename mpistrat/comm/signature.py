@@ -13,7 +13,12 @@ import numpy as np
 
 from mpistrat.devices import is_cupy_array, is_device_buffer
 
-__all__ = ["HOST", "CUPY", "CAI", "allreduce_signature"]
+try:  # built by pip where a C compiler is (setup.py); without it every call builds its signature
+    from mpistrat.comm import _arraylist
+except ImportError:  # pragma: no cover - depends on the install
+    _arraylist = None
+
+__all__ = ["HOST", "CUPY", "CAI", "ListSignature", "allreduce_signature", "list_signature"]
 
 HOST, CUPY, CAI = 0, 1, 2  # the kinds of arrays: NumPy, CuPy, other __cuda_array_interface__ buffers
 
@@ -115,3 +120,28 @@ def allreduce_signature(
                 f"allreduce: item #{i} is a {type(a).__name__}; expected NumPy or CuPy arrays or numbers"
             )
     return tuple(sig), (tuple(kinds) if kinds is not None else None), None
+
+
+class ListSignature:
+    """The signature of a call of a list of NumPy arrays, matched against a later call's list in one C loop.
+
+    A later list matches when it has as many items, each exactly a ``numpy.ndarray``, C-contiguous, of
+    the same shape and buffer format (so dtype) as this call's, in order: then
+    :func:`allreduce_signature` would give it this call's signature, and its plan is this call's.
+    """
+
+    __slots__ = ("_formats", "_dims")
+
+    def __init__(self, arrays: list) -> None:
+        self._formats = tuple(memoryview(a).format.encode() for a in arrays)
+        self._dims = np.array([n for a in arrays for n in (a.ndim, *a.shape)], np.int64).tobytes()
+
+    def matches(self, arrays: list) -> bool:
+        """Whether ``arrays`` (a list) is a call of this signature."""
+        return _arraylist.matches(arrays, np.ndarray, self._formats, self._dims)
+
+
+def list_signature(arrays: list) -> ListSignature | None:
+    """The :class:`ListSignature` of ``arrays``, a list of NumPy arrays (exactly ``numpy.ndarray``), or None
+    where the compiled loops are not built."""
+    return None if _arraylist is None else ListSignature(arrays)

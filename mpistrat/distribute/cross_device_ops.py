@@ -212,6 +212,16 @@ class CrossDeviceOps:
             return None
         return comm.allreduce_repeat(a, wire)
 
+    def all_reduce_repeat_list(self, wire: str, leaves: list) -> list | None:
+        """``_all_reduce_alone(op, leaves, devices)`` for the one local replica's SUM, MIN or MAX of a list of
+        NumPy arrays when it repeats the latest such call (``RankCommunicator.allreduce_repeat_list``: the
+        list matched in C, so each item is a C-contiguous array of the native dtype planned then), else
+        None: the caller then takes the general path."""
+        comm = self._communicator
+        if comm is None or self.check_numerics:
+            return None
+        return comm.allreduce_repeat_list(leaves, wire)
+
     def _all_reduce_alone(self, reduce_op: ReduceOp, leaves: list, devices: Sequence[str], options: Any = None,
                           structure: str | None = None) -> list:
         """``batch_all_reduce(reduce_op, [leaves], devices, options)[0]`` for the one local replica: native

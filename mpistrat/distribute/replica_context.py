@@ -157,6 +157,11 @@ class ReplicaContext:
             self._require_current()  # raises
         ext = self._strategy._extended
         if options is None and self._rendezvous.n == 1:  # the hot case: one array (or a list of one), a repeat
+            if type(value) is list and len(value) > 1 and type(reduce_op) in _OP_TYPES:  # a list of arrays
+                wire = _REPEAT_WIRE.get(reduce_op)
+                out = None if wire is None else ext._cross_device_ops.all_reduce_repeat_list(wire, value)
+                if out is not None:
+                    return out
             a = value[0] if type(value) is list and len(value) == 1 else value
             if (type(a) is np.ndarray or dev.is_cupy_array(a)) and type(reduce_op) in _OP_TYPES:
                 wire = _REPEAT_WIRE.get(reduce_op)  # SUM, MIN, MAX spelled as ReduceOp.from_string takes them
