@@ -198,13 +198,38 @@ def test_no_shared_blocks_across_nodes_in_fused_buckets_or_above_the_limit(comm,
             np.testing.assert_array_equal(out, want)
         assert not shm.result_blocks.may_share(count, np.float32)
         assert shm.result_blocks.shared_results(count, np.float32) is None
-    monkeypatch.delenv("MPISTRAT_PRETEND_NODES")
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_fused_buckets_get_shared_blocks_and_held_results_stay(comm, monkeypatch):
+    """Two arrays packed into one bucket: its results are views of one shared block per call (after the
+    size's first call made them), and a result, or a view of one, that a caller holds pins its block."""
+    monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "0")
+    monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
+    count = COUNTS[0]
     with RankCommunicator(comm, CommunicationOptions(bytes_per_pack=16 << 20)) as rc:
-        for _ in range(2):  # two arrays in one bucket: packed, reduced into a private block
-            a, b = rc.allreduce([x, x[::-1].copy()], "sum")
-            np.testing.assert_array_equal(a, want)
-            np.testing.assert_array_equal(b, want[::-1])
-        assert _shm(rc).result_blocks.shared_results(count, np.float32) is None
+        blocks = _shm(rc).result_blocks
+        kept = []
+        for call in range(6):
+            x = _data(count, "float32", comm.rank, call)
+            y = _data(count, "float32", comm.rank, call + 100)
+            a, b = rc.allreduce([x, y], "sum")
+            np.testing.assert_array_equal(a, _reference(comm, x, "sum"))
+            np.testing.assert_array_equal(b, _reference(comm, y, "sum"))
+            shared = blocks.shared_results(2 * count, np.float32)  # made by the size's first call ...
+            shared_result = shared.slot_of(a) != PRIVATE
+            assert shared_result == (call in (1, 2))  # ... which, and calls while both are held, get private ones
+            if call == 1:
+                kept.append((b[5:], b[5:].copy()))  # a view of a result pins its block
+            if call == 2:
+                kept.append((a, a.copy()))  # and so does a result itself
+            for held, expected in kept:
+                np.testing.assert_array_equal(held, expected)
+            del a, b
+        kept.clear()
+        gc.collect()
+        a, _ = rc.allreduce([x, y], "sum")  # nothing held any more: a shared block again
+        assert blocks.shared_results(2 * count, np.float32).slot_of(a) != PRIVATE
 
 
 def test_result_pool_hands_out_free_shared_blocks_first():

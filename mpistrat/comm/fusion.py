@@ -115,9 +115,10 @@ class ResultPool:
     to a caller are never overwritten by a later call; otherwise a new entry is
     made (kept for reuse up to ``max_entries``).
 
-    ``shared``, given for a bucket of one array, is a transport's ``result_blocks``
-    (:mod:`~mpistrat.comm.transport.shm.results`): blocks the transport writes the result
-    into directly; while one is free it is handed out first.
+    ``shared``, a transport's ``result_blocks`` (:mod:`~mpistrat.comm.transport.shm.results`):
+    blocks the transport writes the result into directly; while one is free it is handed out
+    first. A bucket of several arrays keeps its views of each block (made once, as an entry's),
+    and a block is free while nothing but those views refers to it and nothing outside holds one.
     """
 
     def __init__(self, bucket: Bucket, xp: Any = np, max_entries: int = 4, shared: Any = None) -> None:
@@ -127,23 +128,29 @@ class ResultPool:
         self._entries: list[list] = []
         self._result_blocks = shared  # asked for a SharedResults until it has one or never will
         self._shared: Any = None  # SharedResults
+        self._shared_views: list[list] = []  # per shared block, a bucket of several arrays' views of it
 
     def get(self) -> tuple[Any, list]:
         """A ``(block, views)`` entry whose views nobody outside holds."""
         if self._result_blocks is not None:
             self._take_shared()
-        if self._shared is not None:
-            block = self._shared.acquire()
-            if block is not None:
-                return block, [block.reshape(self.bucket.shapes[0])]
         getrefcount = sys.getrefcount  # counted in this frame, as at the entry's making below
+        if self._shared is not None:
+            if not self._shared_views:  # one array: a new view of the block each time
+                block = self._shared.acquire()
+                if block is not None:
+                    return block, [block.reshape(self.bucket.shapes[0])]
+            else:
+                for k in self._shared.free_slots(len(self.bucket.members)):
+                    views = self._shared_views[k]
+                    if max(map(getrefcount, views)) <= _POOLED_REFS:
+                        return self._shared.blocks[k], views
         for entry in self._entries:
             # Views a caller made of a result refer to the block, not the view.
             if max(map(getrefcount, entry[1])) <= _POOLED_REFS and getrefcount(entry[0]) <= entry[2]:
                 return entry[0], entry[1]
-        b = self.bucket
-        block = self.xp.empty(b.count, dtype=b.dtype)
-        views = [block[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]
+        block = self.xp.empty(self.bucket.count, dtype=self.bucket.dtype)
+        views = self._views(block)
         entry = [block, views, 0]
         del block
         entry[2] = getrefcount(entry[0])  # the block's references while only the pool holds it
@@ -153,6 +160,13 @@ class ResultPool:
 
     def _take_shared(self) -> None:
         b = self.bucket
-        self._shared = self._result_blocks.shared_results(b.count, b.dtype)
-        if self._shared is not None or not self._result_blocks.may_share(b.count, b.dtype):
+        self._shared = shared = self._result_blocks.shared_results(b.count, b.dtype)
+        if shared is not None and len(b.members) > 1:
+            self._shared_views = [self._views(block) for block in shared.blocks]
+        if shared is not None or not self._result_blocks.may_share(b.count, b.dtype):
             self._result_blocks = None
+
+    def _views(self, block: Any) -> list:
+        """The members' results: views of ``block``, each referring to it."""
+        b = self.bucket
+        return [block[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, b.shapes)]

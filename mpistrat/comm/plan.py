@@ -39,8 +39,8 @@ class Step:
         self.members = bucket.members
         self.direct = len(bucket.members) == 1  # one array: reduced without packing
         self.whole = False  # the plan's only step, its members the call's arrays in order (Planner.plan)
-        # Results of one array may go straight into blocks the transport shares (shm/results.py).
-        shared = transport.result_blocks if self.direct and kind == HOST else None
+        # Host results may go straight into blocks the transport shares (shm/results.py).
+        shared = transport.result_blocks if kind == HOST else None
         self.pool = ResultPool(bucket, xp, shared=shared) if kind != CAI else None
         self._src: Any = None
         self._src_views: list = []

@@ -60,9 +60,18 @@ NO_AGREEMENT: AgreementHook = _AlreadyAgreed()
 class ResultBlockSet(abc.ABC):
     """Result arrays of one size in memory the transport writes into directly."""
 
+    #: This rank's blocks (1-D arrays), in slot order.
+    blocks: list
+
     @abc.abstractmethod
+    def free_slots(self, own_refs: int = 0) -> list[int]:
+        """The slots of this rank's blocks that nothing outside refers to beyond ``own_refs`` references
+        each (the caller's own views of every block, kept across calls), in slot order."""
+
     def acquire(self) -> Any:
         """A free block (a 1-D array nothing outside holds), or None."""
+        slots = self.free_slots()
+        return self.blocks[slots[0]] if slots else None
 
 
 class ResultBlockSource(abc.ABC):

@@ -256,20 +256,40 @@ class ShmTransport(Transport):
 
         Up to ``direct_max_bytes``: one synchronisation, then each rank sums every segment into
         the result. Otherwise the reduce-scatter (class docstring), whose result is this rank's own
-        segment (copied into ``out`` when given). The path depends only on the size, which every
-        rank agreed on, never on ``out``, which ranks may choose differently.
+        segment (copied into ``out`` when given), or ``out`` itself where it is one of this size's
+        shared result blocks (``result_blocks``: the owners write into it). The path depends only on
+        the size, which every rank agreed on, never on ``out``, which ranks may choose differently.
         """
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
-        synced = self._staged(hook)
         if count * dtype.itemsize <= self.direct_max_bytes:
+            synced = self._staged(hook)
             result = self._scratch.get(count, dtype) if out is None else out
             self._sum_all(count, dtype, ufunc, result, synced)
             return result
-        reduced = self._reduce_scatter(count, dtype, ufunc, op, synced=synced, into=out)
+        blocks = self.result_blocks
+        if blocks.may_share(count, dtype):  # made at this size's first call, after the check (collective)
+            hook.staged(first=False)
+            hook = NO_AGREEMENT
+            shared = blocks.make(count, dtype)
+        else:
+            shared = blocks.shared_results(count, dtype)
+        if shared is not None:  # before the first synchronisation: every rank's choice, every call
+            shared.publish(PRIVATE if out is None else shared.slot_of(out))
+        synced = self._staged(hook)
+        try:
+            reduced = self._reduce_scatter(count, dtype, ufunc, op, synced=synced, shared=shared,
+                                           into=out if shared is None else None)
+        except BaseException:
+            if shared is not None:
+                shared.retire()  # a late owner may still write into it: never hand it out again
+            raise
         if out is None:
             return reduced
-        self._copy_others(reduced, out, count, dtype.itemsize)
-        return out
+        if shared is None:
+            self._copy_others(reduced, out, count, dtype.itemsize)
+        elif shared.published == PRIVATE:
+            np.copyto(out, reduced)
+        return out  # else the owners wrote the result into out
 
     def _sum_all(self, count: int, dtype: np.dtype, ufunc: np.ufunc, out: np.ndarray, synced: bool) -> None:
         """The one-synchronisation reduce: every rank sums every segment into ``out``."""
@@ -299,7 +319,7 @@ class ShmTransport(Transport):
         """Steps 1-4 of the class docstring; the result, a view of this rank's segment. ``own``: this
         rank's data in private memory, read for its own slice instead of its segment (which then need
         not hold it). ``synced``: step 1's synchronisation already happened (the agreement check stood
-        for it). ``shared`` (with ``own``, on one node): the ranks' published result blocks, written from
+        for it). ``shared`` (on one node): the ranks' published result blocks, written from
         item ``offset`` instead of the window segments of the ranks that published one. ``into`` (private
         memory, on one node, without ``shared``): this rank's slice of the result is summed straight into
         it instead of the segment (whose slice then holds nothing: :meth:`_copy_others` copies the rest),

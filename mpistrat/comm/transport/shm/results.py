@@ -75,13 +75,11 @@ class SharedResults(ResultBlockSet):
         self._retired: list[np.ndarray] = []  # blocks of failed calls, pinned for good
         self.window.sync()
 
-    def acquire(self) -> np.ndarray | None:
-        """One of this rank's blocks that nothing outside refers to (no result or view of one is
-        alive), or None."""
-        for block, refs, free in zip(self.blocks, _references(self.blocks), self._free_refs):
-            if refs <= free:
-                return block
-        return None
+    def free_slots(self, own_refs: int = 0) -> list[int]:
+        """The slots of this rank's blocks that nothing outside refers to (no result or view of one is
+        alive) beyond ``own_refs`` references each (a fused bucket's result views, kept by its pool)."""
+        return [k for k, (refs, free) in enumerate(zip(_references(self.blocks), self._free_refs))
+                if refs <= free + own_refs]
 
     def slot_of(self, out: np.ndarray) -> int:
         """Which of this rank's blocks ``out`` is (a view of it, as handed out), or :data:`PRIVATE`."""
