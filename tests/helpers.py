@@ -9,7 +9,7 @@ import numpy as np
 
 import mpistrat as ms
 
-__all__ = ["make", "multi_worker", "rid", "copies", "finishes", "DLPackOnly"]
+__all__ = ["make", "multi_worker", "rid", "copies", "run_all_reduce", "finishes", "DLPackOnly"]
 
 
 def make(n: int = 2, **kwargs: Any) -> ms.MirroredStrategy:
@@ -30,6 +30,11 @@ def rid() -> int:
 def copies(v: Any) -> list:
     """Each local copy of the distributed variable ``v`` as a Python list (or number)."""
     return [np.asarray(c.numpy()).tolist() for c in v.values]
+
+
+def run_all_reduce(strategy: Any, op: Any, value: Any) -> Any:
+    """``strategy.run`` of a step that all-reduces ``value`` with ``op`` (what a training step calls)."""
+    return strategy.run(lambda: ms.get_replica_context().all_reduce(op, value))
 
 
 def finishes(body: Callable[[], Any], timeout: float = 10.0) -> tuple[bool, dict]:

@@ -11,6 +11,8 @@ from mpi4py import MPI
 import mpistrat as ms
 from mpistrat.comm import CollectiveMismatchError, CollectiveTimeoutError, CommunicationOptions
 
+from helpers import run_all_reduce
+
 
 @pytest.fixture(params=["compiled", "python", "mixed"])
 def lane_mode(request, monkeypatch, comm):
@@ -30,10 +32,6 @@ def strategy(comm, monkeypatch, lane_mode):
     return ms.MultiWorkerMirroredStrategy()
 
 
-def _reduce(strategy, op, value):
-    return strategy.run(lambda: ms.get_replica_context().all_reduce(op, value))
-
-
 def _plan(strategy, x):
     rc = strategy.extended._communicator
     return rc._planner.singles[("sum", None, x.shape, x.dtype, np.ndarray)]
@@ -43,7 +41,7 @@ def _plan(strategy, x):
 @pytest.mark.parametrize("as_list", [False, True])
 def test_repeats_take_the_lean_path_and_every_result_is_a_new_array_kept(strategy, comm, as_list, lane_mode):
     x = np.full(1000, comm.rank + 1.0, np.float32)
-    first = _reduce(strategy, "sum", [x] if as_list else x)
+    first = run_all_reduce(strategy, "sum", [x] if as_list else x)
     plan = _plan(strategy, x)
     assert plan.folded is not None  # a one-array call folded into shm-small's handshake
     assert (plan.lane is not None) == (lane_mode == "compiled")
@@ -51,7 +49,7 @@ def test_repeats_take_the_lean_path_and_every_result_is_a_new_array_kept(strateg
     held = []
     for k in range(6):
         x[:] = comm.rank + 1.0 + k
-        out = _reduce(strategy, "sum", [x] if as_list else x)
+        out = run_all_reduce(strategy, "sum", [x] if as_list else x)
         assert type(out) is (list if as_list else np.ndarray)
         r = out[0] if as_list else out
         assert r is not x and np.all(x == comm.rank + 1.0 + k)  # the input untouched
@@ -68,8 +66,8 @@ def test_min_max_and_a_non_contiguous_input_on_the_lean_path(strategy, comm):
     base = np.arange(2000, dtype=np.float64).reshape(1000, 2) * (comm.rank + 1)
     x = base[:, 0]  # strided
     for _ in range(3):
-        assert np.array_equal(_reduce(strategy, "max", x), np.arange(0, 2000, 2.0) * comm.size)
-        assert np.array_equal(_reduce(strategy, "min", x), np.arange(0, 2000, 2.0))
+        assert np.array_equal(run_all_reduce(strategy, "max", x), np.arange(0, 2000, 2.0) * comm.size)
+        assert np.array_equal(run_all_reduce(strategy, "min", x), np.arange(0, 2000, 2.0))
     assert np.array_equal(x, np.arange(0, 2000, 2.0) * (comm.rank + 1))
 
 
@@ -77,22 +75,22 @@ def test_min_max_and_a_non_contiguous_input_on_the_lean_path(strategy, comm):
 def test_a_mismatch_against_a_repeated_call_raises_on_every_rank_and_leaves_the_strategy_usable(strategy, comm):
     x = np.ones(300, np.float32)
     for _ in range(3):
-        _reduce(strategy, "sum", x)
+        run_all_reduce(strategy, "sum", x)
     odd = comm.rank == comm.size - 1
     with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce shapes"):
-        _reduce(strategy, "sum", np.ones(301, np.float32) if odd else x)
+        run_all_reduce(strategy, "sum", np.ones(301, np.float32) if odd else x)
     with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce op"):
-        _reduce(strategy, "max" if odd else "sum", x)
+        run_all_reduce(strategy, "max" if odd else "sum", x)
     with pytest.raises(CollectiveMismatchError):  # SUM against MEAN: the logical op is checked too
-        _reduce(strategy, "mean" if odd else "sum", x)
-    assert np.all(_reduce(strategy, "sum", x) == comm.size)
+        run_all_reduce(strategy, "mean" if odd else "sum", x)
+    assert np.all(run_all_reduce(strategy, "sum", x) == comm.size)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_an_error_before_the_check_on_one_rank_raises_on_every_rank(strategy, comm):
     x = np.ones(500, np.float32)
     for _ in range(2):
-        _reduce(strategy, "sum", x)
+        run_all_reduce(strategy, "sum", x)
     pool = _plan(strategy, x).steps[0].pool
     if comm.rank == 0:
         def broken():
@@ -100,10 +98,10 @@ def test_an_error_before_the_check_on_one_rank_raises_on_every_rank(strategy, co
         pool.get = broken  # this rank fails while staging, before its check
     try:  # every rank raises, naming rank 0's error: no rank waits for the data
         with pytest.raises(CollectiveMismatchError, match="rank 0 sent error=MemoryError: no result memory"):
-            _reduce(strategy, "sum", x)
+            run_all_reduce(strategy, "sum", x)
     finally:
         pool.__dict__.pop("get", None)
-    assert np.all(_reduce(strategy, "sum", x) == comm.size)
+    assert np.all(run_all_reduce(strategy, "sum", x) == comm.size)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -114,13 +112,13 @@ def test_a_late_rank_times_out_the_ranks_waiting_on_the_lean_path(comm, monkeypa
     strategy = ms.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=1.0))
     x = np.ones(64, np.float32)
     for _ in range(2):
-        _reduce(strategy, "sum", x)
+        run_all_reduce(strategy, "sum", x)
     assert _plan(strategy, x).folded is not None or strategy.extended._communicator._guard.transport != "shm"
     late = comm.size - 1
     if comm.rank == late:
         time.sleep(3.0)  # past the others' timeout and grace period
     with pytest.raises(CollectiveTimeoutError) as info:
-        _reduce(strategy, "sum", x)
+        run_all_reduce(strategy, "sum", x)
     if comm.rank != late:
         assert info.value.missing_ranks == [late]
     MPI.COMM_WORLD.Barrier()
@@ -215,7 +213,7 @@ def test_a_repeated_cupy_all_reduce_takes_the_lean_path_on_the_replicas_gpu(stra
         x = cupy.full(5000, comm.rank + 1.0, cupy.float32)
         for k in range(5):
             x[:] = comm.rank + 1.0 + k
-            out = _reduce(strategy, "sum", [x] if as_list else x)
+            out = run_all_reduce(strategy, "sum", [x] if as_list else x)
             r = out[0] if as_list else out
             assert type(r) is cupy.ndarray and r is not x and r.device.id == x.device.id
             assert bool(cupy.all(x == comm.rank + 1.0 + k))  # the input untouched
@@ -224,7 +222,7 @@ def test_a_repeated_cupy_all_reduce_takes_the_lean_path_on_the_replicas_gpu(stra
             assert bool(cupy.all(r == total + comm.size * k)), (k, float(r[0]))
         assert len(general) == 1  # the first call planned through the general path; the repeats took the lean one
         for _ in range(2):
-            m = _reduce(strategy, "max", [x] if as_list else x)
+            m = run_all_reduce(strategy, "max", [x] if as_list else x)
             assert float((m[0] if as_list else m)[0]) == comm.size + 4.0
     assert len(general) == 2  # a new op is a new plan: its first call only
 
@@ -251,7 +249,7 @@ def test_repeated_calls_give_numpys_bits_in_local_rank_order(strategy, comm, lan
         else:
             info = np.iinfo(dtype)
             x = rng.integers(info.min, info.max, 1500, dtype=dtype, endpoint=True)
-        out = _reduce(strategy, op, x)
+        out = run_all_reduce(strategy, op, x)
         every = comm.allgather(x)
         ufunc = {"sum": np.add, "min": np.minimum, "max": np.maximum}[op]
         expected = ufunc(every[0], every[1])

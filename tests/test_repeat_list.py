@@ -10,6 +10,8 @@ from mpistrat.comm import CollectiveMismatchError
 from mpistrat.comm import fusion
 from mpistrat.comm.signature import ListSignature, _arraylist, allreduce_signature
 
+from helpers import run_all_reduce
+
 needs_loops = pytest.mark.skipif(_arraylist is None, reason="mpistrat.comm._arraylist not built (no C compiler)")
 
 
@@ -104,10 +106,6 @@ def strategy(comm, monkeypatch):
     return ms.MultiWorkerMirroredStrategy()
 
 
-def _reduce(strategy, op, value):
-    return strategy.run(lambda: ms.get_replica_context().all_reduce(op, value))
-
-
 def _count_repeats(monkeypatch, rc):
     """The calls the list fast path took (``ListSignature.matches`` true in ``allreduce_repeat_list``)."""
     matched = []
@@ -134,7 +132,7 @@ def test_repeated_lists_take_the_matched_path_with_new_results_kept(strategy, co
     for k in range(4):
         for j, x in enumerate(xs):
             x[:] = comm.rank + j + k
-        out = _reduce(strategy, "sum", xs)
+        out = run_all_reduce(strategy, "sum", xs)
         assert type(out) is list and len(out) == count
         for j, (x, r) in enumerate(zip(xs, out)):
             assert r is not x and np.all(x == comm.rank + j + k)  # inputs untouched
@@ -153,18 +151,18 @@ def test_a_list_mismatch_against_a_matched_repeat_raises_on_every_rank(strategy,
     served = _count_repeats(monkeypatch, rc)
     xs = [np.ones(100, np.float32) for _ in range(4)]
     for _ in range(3):
-        _reduce(strategy, "sum", xs)
+        run_all_reduce(strategy, "sum", xs)
     odd = comm.rank == comm.size - 1
     wrong = xs[:3] + [np.ones(101, np.float32)]
     before = len(served)
     with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce shapes"):
-        _reduce(strategy, "sum", wrong if odd else xs)  # the others are matched: the check still compares
+        run_all_reduce(strategy, "sum", wrong if odd else xs)  # the others are matched: the check still compares
     assert len(served) == before + (0 if odd else 1)
     with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce"):
-        _reduce(strategy, "sum", [x.astype(np.float64) for x in xs] if odd else xs)
+        run_all_reduce(strategy, "sum", [x.astype(np.float64) for x in xs] if odd else xs)
     with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce op"):
-        _reduce(strategy, "max" if odd else "sum", xs)
-    out = _reduce(strategy, "sum", xs)
+        run_all_reduce(strategy, "max" if odd else "sum", xs)
+    out = run_all_reduce(strategy, "sum", xs)
     assert all(np.all(r == comm.size) for r in out)
 
 
@@ -177,12 +175,12 @@ def test_variables_and_numbers_in_a_repeated_list_are_read_before_any_match(stra
         v = ms.Variable(np.full(3, 2.0, np.float32))
     xs = [np.ones(3, np.float32), np.ones(3, np.float32)]
     for _ in range(2):
-        assert all(np.all(r == comm.size) for r in _reduce(strategy, "sum", xs))
+        assert all(np.all(r == comm.size) for r in run_all_reduce(strategy, "sum", xs))
     assert len(served) == 1
-    out = _reduce(strategy, "sum", [xs[0], v])  # a variable reads as its value
+    out = run_all_reduce(strategy, "sum", [xs[0], v])  # a variable reads as its value
     assert np.all(out[0] == comm.size) and np.all(out[1] == 2.0 * comm.size)
     # Not matched at the strategy (a variable is no array); its value, read there, is a plain array of the
     # planned shape and dtype, so the list the communicator gets matches.
     assert len(served) == 2
-    out = _reduce(strategy, "sum", [xs[0], np.float32(1.0)])
+    out = run_all_reduce(strategy, "sum", [xs[0], np.float32(1.0)])
     assert np.all(out[1] == comm.size) and np.ndim(out[1]) == 0
