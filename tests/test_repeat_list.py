@@ -79,16 +79,17 @@ def test_a_list_matches_its_plan_exactly_when_its_signature_is_the_plans(name, c
 def test_the_compiled_pack_copies_like_concatenate_or_leaves_the_bucket_to_it():
     arrays = [np.arange(5, dtype=np.float32), np.full((2, 3), 7, np.float32), np.ones((4, 1), np.float32)]
     out = np.empty(15, np.float32)
-    assert _arraylist.pack(arrays, (0, 1, 2), out)
+    assert _arraylist.pack(arrays, np.ndarray, (0, 1, 2), out)
     assert np.array_equal(out, np.concatenate(arrays, axis=None))
-    assert _arraylist.pack(arrays, (2, 0), out[:9])
+    assert _arraylist.pack(arrays, np.ndarray, (2, 0), out[:9])
     assert np.array_equal(out[:9], np.concatenate([arrays[2], arrays[0]], axis=None))
     before = np.full(15, -1, np.float32)
     for members, arrays_, target in [((0, 1, 2), arrays, before[:14]),  # bytes not exactly out's
                                      ((0, 3), arrays, before[:11]),  # no such member
-                                     ((0, 1), [arrays[0], np.ones((2, 6), np.float32)[:, ::2]], before[:11])]:
+                                     ((0, 1), [arrays[0], np.ones((2, 6), np.float32)[:, ::2]], before[:11]),
+                                     ((0, 1), [arrays[0], arrays[1].view(_Sub)], before[:11])]:  # a subclass
         snapshot = target.copy()
-        assert not _arraylist.pack(arrays_, members, target)
+        assert not _arraylist.pack(arrays_, np.ndarray, members, target)
         assert np.array_equal(target, snapshot)  # nothing written
     # fusion.pack falls back to NumPy for what the loop refuses: the bucket is filled either way
     bucket = fusion.plan_buckets([((2, 3), "<f4"), ((2, 3), "<f4")], 1 << 20)[0]

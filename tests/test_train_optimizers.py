@@ -149,9 +149,9 @@ def test_foreign_and_big_endian_gradients_are_converted_once():
         opt.apply_gradients([(np.array(["x", "y", "z"]), a)])
 
 
-def test_update_each_updates_copy_i_of_every_variable_under_replica_i():
+def test_update_each_updates_every_copy_under_its_replica_as_update_does():
     """``extended._update_each`` (an optimizer's step): each copy gets its own component of a distributed
-    value, a plain value as it is, under the frame of its copy, in the order of the variables."""
+    value, a plain value as it is, under the frame of its copy; every copy of a variable, then the next."""
     from mpistrat.distribute import context
 
     strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -169,8 +169,8 @@ def test_update_each_updates_copy_i_of_every_variable_under_replica_i():
     with strategy.scope():
         strategy.extended._update_each([a, b], fn, [per_replica, np.ones(2)])
     devices = [c.device for c in a.values]
-    assert seen == [(0, devices[0], 0, 10.0), (1, devices[0], 0, 1.0),
-                    (0, devices[1], 1, 11.0), (1, devices[1], 1, 1.0)]
+    assert seen == [(0, devices[0], 0, 10.0), (0, devices[1], 1, 11.0),
+                    (1, devices[0], 0, 1.0), (1, devices[1], 1, 1.0)]
     assert [c.numpy().tolist() for c in a.values] == [[10.0, 10.0], [11.0, 11.0]]
     assert [c.numpy().tolist() for c in b.values] == [[1.0, 1.0], [1.0, 1.0]]
     with pytest.raises(RuntimeError, match="cross-replica context"):
@@ -211,3 +211,32 @@ def test_an_optimizer_step_leaves_a_held_value_alone_and_constrains_only_its_var
     assert free.numpy().tolist() == [0.75] * 3 and held.numpy().tolist() == [0.5] * 3
     assert clipped.numpy().tolist() == [0.5] * 3  # 1 - 2 = -1, clipped into [0.5, 2]
     assert int(opt.iterations.numpy()) == 1
+
+
+def test_a_failing_update_leaves_every_variables_copies_equal():
+    """As ``extended.update`` variable by variable: the variables before the failing one are updated on every
+    copy, the rest on none (a mirrored variable's copies never differ)."""
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        a = ms.Variable(np.ones(2, np.float32), name="a")
+        b = ms.Variable(np.ones(2, np.float32), name="b")
+        c = ms.Variable(np.ones(2, np.float32), name="c")
+        opt = SGD(1.0)
+    with strategy.scope(), pytest.raises(TypeError, match="variable 'b'"):
+        opt.apply_gradients([(np.ones(2, np.float32), a), (np.ones(2, np.complex64) * 1j, b),
+                             (np.ones(2, np.float32), c)])
+    assert [c_.numpy().tolist() for c_ in a.values] == [[0.0, 0.0]] * 2
+    assert [c_.numpy().tolist() for c_ in b.values] == [[1.0, 1.0]] * 2
+    assert [c_.numpy().tolist() for c_ in c.values] == [[1.0, 1.0]] * 2
+
+
+def test_constraints_project_after_every_update_as_keras():
+    """A variable given twice is updated twice, then projected once (Keras 3 applies the constraints after
+    applying every gradient): 1 - 2 + 1 = 0, clipped into [0.5, 2]."""
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        v = ms.Variable(np.ones(3, np.float32), name="v", constraint=lambda x: np.clip(x, 0.5, 2.0))
+        opt = SGD(1.0)
+    with strategy.scope():
+        opt.apply_gradients([(np.full(3, 2.0, np.float32), v), (np.full(3, -1.0, np.float32), v)])
+    assert [c.numpy().tolist() for c in v.values] == [[0.5] * 3] * 2

@@ -12,11 +12,12 @@
  *   True when every item is a C-contiguous ndarray of the planned format, ndim and shape, in order.
  *   Never raises for an item that does not match (False); raises TypeError only for malformed plans.
  *
- * pack(arrays, members, out) -> bool
+ * pack(arrays, ndarray, members, out) -> bool
  *   members: tuple of int, the indices of the arrays to copy, in order; out: a writable C-contiguous
  *   buffer. Copies each member's bytes after the previous one's (NumPy's concatenate(axis=None) of
- *   C-contiguous arrays); False, with nothing copied, when a member is not a C-contiguous buffer or
- *   the members' bytes are not exactly out's.
+ *   C-contiguous arrays); False, with nothing copied, when a member is not exactly an ndarray (a
+ *   subclass's buffer or concatenate may be its own), not C-contiguous, or the members' bytes are not
+ *   exactly out's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -58,11 +59,11 @@ static PyObject *matches(PyObject *self, PyObject *args) {
 }
 
 static PyObject *pack(PyObject *self, PyObject *args) {
-    PyObject *arrays, *members;
+    PyObject *arrays, *ndarray, *members;
     Py_buffer out;
-    if (!PyArg_ParseTuple(args, "O!O!w*", &PyList_Type, &arrays, &PyTuple_Type, &members, &out))
+    if (!PyArg_ParseTuple(args, "O!OO!w*", &PyList_Type, &arrays, &ndarray, &PyTuple_Type, &members, &out))
         return NULL;
-    Py_ssize_t m = PyTuple_GET_SIZE(members), n = PyList_GET_SIZE(arrays);
+    Py_ssize_t m = PyTuple_GET_SIZE(members);
     Py_buffer *views = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(Py_buffer));
     if (views == NULL) {
         PyBuffer_Release(&out);
@@ -72,7 +73,7 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     int ok = PyBuffer_IsContiguous(&out, 'C');
     for (; ok && got < m; got++) {
         Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(members, got));
-        if (j < 0 || j >= n) {
+        if (j < 0 || j >= PyList_GET_SIZE(arrays) || (PyObject *)Py_TYPE(PyList_GET_ITEM(arrays, j)) != ndarray) {
             if (PyErr_Occurred())
                 PyErr_Clear();
             ok = 0;

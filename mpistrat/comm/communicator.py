@@ -323,7 +323,10 @@ class RankCommunicator:
         (``Planner.file_list``), else None: the caller then calls :meth:`allreduce`. The check runs as for
         any repeated call of the plan."""
         filed = self._planner.lists.get((op, divisor, len(arrays)))
-        if filed is None or self._worker is not None or timeline.enabled() or not filed[0].matches(arrays):
+        if filed is None or self._worker is not None or timeline.enabled():
+            return None
+        arrays = list(arrays)  # what is matched is what is reduced, whatever happens to the caller's list
+        if not filed[0].matches(arrays):
             return None
         plan = filed[1]
         return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)

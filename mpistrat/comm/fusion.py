@@ -92,7 +92,7 @@ def pack(arrays: Sequence[Any], bucket: Bucket, out: Any, xp: Any = np) -> None:
         xp.copyto(out.reshape(bucket.shapes[0]), arrays[members[0]])
     elif xp is np:
         # One C loop where every member is C-contiguous (a memcpy each), else NumPy's generic copies.
-        if _arraylist is None or type(arrays) is not list or not _arraylist.pack(arrays, members, out):
+        if _arraylist is None or type(arrays) is not list or not _arraylist.pack(arrays, np.ndarray, members, out):
             np.concatenate([arrays[i] for i in members], axis=None, out=out)
     else:
         xp.concatenate([arrays[i].ravel() for i in members], out=out)
@@ -118,7 +118,9 @@ class ResultPool:
     ``shared``, a transport's ``result_blocks`` (:mod:`~mpistrat.comm.transport.shm.results`):
     blocks the transport writes the result into directly; while one is free it is handed out
     first. A bucket of several arrays keeps its views of each block (made once, as an entry's),
-    and a block is free while nothing but those views refers to it and nothing outside holds one.
+    and a block is free while nothing but those views refers to it and nothing outside holds one;
+    those views pin the blocks for this pool, so another pool of the same size (a bucket of one
+    array or of several) gets private results, never a block this pool may hand out.
     """
 
     def __init__(self, bucket: Bucket, xp: Any = np, max_entries: int = 4, shared: Any = None) -> None:

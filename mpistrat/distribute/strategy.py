@@ -449,10 +449,11 @@ class StrategyExtended:
         """``update(variables[j], fn, (values[j], j), group=False)`` for every j, results dropped (an optimizer's
         step, in cross-replica context).
 
-        Where every variable is a distributed variable with one copy per local replica, copy i of every
-        variable is updated under one frame and device scope, entered once per i instead of once per
-        variable and copy (the same updates, each copy's in the order of ``variables``); anything else
-        goes through :meth:`update` one variable at a time (a strategy's own ``update`` included).
+        Where every variable is a distributed variable with one copy per local replica, the updates are
+        :meth:`update`'s, in its order (every copy of one variable, then the next: a failing update
+        leaves each variable's copies equal), without its per-call checks and with each copy's frame
+        made once; with one local copy its frame is entered once for all. Anything else goes through
+        :meth:`update` one variable at a time (a strategy's own ``update`` included).
         """
         n = self._num_local
         if self._is_default or not all(isinstance(v, DistributedValues) and len(v.values) == n for v in variables):
@@ -461,17 +462,27 @@ class StrategyExtended:
             return
         self._require_cross_replica_or_default_context()
         strategy = self._container_strategy()
-        for i in range(n):
-            frame = Frame(strategy, None, update_replica=i)
-            context.push(frame)
+        frames = [Frame(strategy, None, update_replica=i) for i in range(n)]
+        if n == 1:  # one copy per variable: one frame for the whole step
+            context.push(frames[0])
             try:
-                with self._device_scope(self._local_devices[i]):
+                with self._device_scope(self._local_devices[0]):
                     for j, (var, value) in enumerate(zip(variables, values)):
                         if isinstance(value, DistributedValues):
-                            value = select_replica(i, value)
-                        fn(var.values[i], value, j)
+                            value = select_replica(0, value)
+                        fn(var.values[0], value, j)
             finally:
-                context.pop(frame)
+                context.pop(frames[0])
+            return
+        for j, (var, value) in enumerate(zip(variables, values)):
+            distributed = isinstance(value, DistributedValues)
+            for i, (frame, component) in enumerate(zip(frames, var.values)):
+                context.push(frame)
+                try:
+                    with self._device_scope(self._local_devices[i]):
+                        fn(component, select_replica(i, value) if distributed else value, j)
+                finally:
+                    context.pop(frame)
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable holding ``value`` when it is one of its copies, else ``value``."""

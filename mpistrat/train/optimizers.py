@@ -38,6 +38,10 @@ def _add(copy: Any, delta: Any, j: int) -> None:
     copy.assign_add(delta)
 
 
+def _project(copy: Any, _: Any, j: int) -> None:
+    copy.assign(copy.constraint(copy.value()))
+
+
 def _key(var: Any) -> Any:
     """How ``var``'s slots are filed: its identity, the same in a copy of the optimizer sent to another rank
     (a parameter server's variable), else the object."""
@@ -160,11 +164,12 @@ class Optimizer:
 
         def update(copy: Any, grad: Any, j: int) -> None:
             update_step(copy, to_device(grad, copy.device), slots[j], coefficients)
-            constraint = copy.constraint  # as Keras: it projects the variable after its update (assign does not)
-            if constraint is not None:
-                copy.assign(constraint(copy.value()))
 
         strategy.extended._update_each(var_list, update, grads)
+        # As Keras: after every update, each variable's constraint projects it (assign does not apply it).
+        constrained = [v for v in var_list if v.constraint is not None]
+        if constrained:
+            strategy.extended._update_each(constrained, _project, [None] * len(constrained))
         strategy.extended._update_each((self._iterations,), _add, (_ONE,))  # iterations.assign_add(1), leaner
         return self._iterations
 

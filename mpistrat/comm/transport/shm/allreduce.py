@@ -275,8 +275,8 @@ class ShmTransport(Transport):
             shared = blocks.shared_results(count, dtype)
         if shared is not None:  # before the first synchronisation: every rank's choice, every call
             shared.publish(PRIVATE if out is None else shared.slot_of(out))
-        synced = self._staged(hook)
         try:
+            synced = self._staged(hook)
             reduced = self._reduce_scatter(count, dtype, ufunc, op, synced=synced, shared=shared,
                                            into=out if shared is None else None)
         except BaseException:
