@@ -92,7 +92,8 @@ def pack(arrays: Sequence[Any], bucket: Bucket, out: Any, xp: Any = np) -> None:
         xp.copyto(out.reshape(bucket.shapes[0]), arrays[members[0]])
     elif xp is np:
         # One C loop where every member is C-contiguous (a memcpy each), else NumPy's generic copies.
-        if _arraylist is None or type(arrays) is not list or not _arraylist.pack(arrays, np.ndarray, members, out):
+        packed = _arraylist is not None and type(arrays) is list and _arraylist.pack(arrays, np.ndarray, members, out)
+        if not packed:
             np.concatenate([arrays[i] for i in members], axis=None, out=out)
     else:
         xp.concatenate([arrays[i].ravel() for i in members], out=out)

@@ -55,10 +55,10 @@ class Optimizer:
     context) or in cross-replica context. In replica context it optionally
     sums the gradients over all replicas with one fused ``all_reduce`` and
     then enters ``merge_call``; the update itself runs in cross-replica
-    context through the strategy's update (``extended._update_each``: what
-    ``extended.update`` does for each variable, with each local copy's frame
-    entered once for all of them), once per local copy of each variable, on
-    that copy's device and array module (NumPy or CuPy). Slot
+    context through the strategy's update (``extended._update_each``:
+    ``extended.update`` of each variable in turn, without its per-call checks),
+    once per local copy of each variable, on that copy's device and array
+    module (NumPy or CuPy); then each variable's constraint, if any. Slot
     variables (momentum, Adam's moments) and the step counter ``iterations``
     are variables created under the variables' strategy scope, so they are
     mirrored like the weights and can be checkpointed (``optimizer.variables``).
