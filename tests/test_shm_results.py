@@ -232,6 +232,34 @@ def test_fused_buckets_get_shared_blocks_and_held_results_stay(comm, monkeypatch
         assert blocks.shared_results(2 * count, np.float32).slot_of(a) != PRIVATE
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_fused_results_right_whichever_blocks_each_rank_publishes(comm, monkeypatch):
+    """Ranks hold different fused results (more than SLOTS on some), so in one call some ranks publish a
+    shared block and others PRIVATE: the owners write into each rank's choice; every result, and every
+    held one, stays what it was."""
+    monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "0")
+    monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
+    count = COUNTS[0]
+    with RankCommunicator(comm, CommunicationOptions(bytes_per_pack=16 << 20)) as rc:
+        blocks = _shm(rc).result_blocks
+        kept, kinds = [], set()
+        for call in range(8):
+            xs = [_data(count, "int64", comm.rank, call), _data(count + 1, "int64", comm.rank, call + 50)]
+            out = rc.allreduce(xs, "sum")
+            want = [_reference(comm, x, "sum") for x in xs]
+            for r, w in zip(out, want):
+                np.testing.assert_array_equal(r, w)
+            shared = blocks.shared_results(2 * count + 1, np.int64)
+            kinds.add(shared is not None and shared.slot_of(out[0]) != PRIVATE)
+            if (call + comm.rank) % 3 and len(kept) < SLOTS + 1:
+                kept.append((out[call % 2], want[call % 2]))
+            for held, expected in kept:
+                np.testing.assert_array_equal(held, expected)
+            del out
+    assert kinds == {True, False}
+
+
 def test_result_pool_hands_out_free_shared_blocks_first():
     """One rank (COMM_SELF): the pool's choice among shared and private blocks."""
     blocks = ResultBlocks(MPI.COMM_SELF, True, 0, SLOTS * 128 * 4)  # room for one size
