@@ -8,7 +8,8 @@ import pytest
 import mpistrat as ms
 from mpistrat.comm import CollectiveMismatchError
 from mpistrat.comm import fusion
-from mpistrat.comm.signature import ListSignature, _arraylist, allreduce_signature
+from mpistrat.comm.arraylist import loops as _arraylist
+from mpistrat.comm.signature import ListSignature, allreduce_signature
 
 from helpers import run_all_reduce
 

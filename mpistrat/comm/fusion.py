@@ -12,10 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-try:  # built by pip where a C compiler is (setup.py); without it packing takes NumPy's copies
-    from mpistrat.comm import _arraylist
-except ImportError:  # pragma: no cover - depends on the install
-    _arraylist = None
+from mpistrat.comm.arraylist import loops as _arraylist
 
 __all__ = ["Bucket", "plan_buckets", "pack", "ResultPool"]
 

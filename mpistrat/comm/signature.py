@@ -11,12 +11,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mpistrat.comm.arraylist import loops as _arraylist
 from mpistrat.devices import is_cupy_array, is_device_buffer
-
-try:  # built by pip where a C compiler is (setup.py); without it every call builds its signature
-    from mpistrat.comm import _arraylist
-except ImportError:  # pragma: no cover - depends on the install
-    _arraylist = None
 
 __all__ = ["HOST", "CUPY", "CAI", "ListSignature", "allreduce_signature", "list_signature"]
 

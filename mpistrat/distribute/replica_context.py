@@ -156,18 +156,20 @@ class ReplicaContext:
         if context.current_frame().replica_context is not self:
             self._require_current()  # raises
         ext = self._strategy._extended
-        if options is None and self._rendezvous.n == 1:  # the hot case: one array (or a list of one), a repeat
-            if type(value) is list and len(value) > 1 and type(reduce_op) in _OP_TYPES:  # a list of arrays
-                wire = _REPEAT_WIRE.get(reduce_op)
-                out = None if wire is None else ext._cross_device_ops.all_reduce_repeat_list(wire, value)
+        # The hot case, a repeat of a lone replica's SUM, MIN or MAX (spelled as ReduceOp.from_string takes
+        # them): of one array (or a list of one), or of a list of arrays.
+        if options is None and self._rendezvous.n == 1 and type(reduce_op) in _OP_TYPES:
+            wire = _REPEAT_WIRE.get(reduce_op)
+            if wire is not None and type(value) is list and len(value) > 1:
+                out = ext._cross_device_ops.all_reduce_repeat_list(wire, value)
                 if out is not None:
                     return out
-            a = value[0] if type(value) is list and len(value) == 1 else value
-            if (type(a) is np.ndarray or dev.is_cupy_array(a)) and type(reduce_op) in _OP_TYPES:
-                wire = _REPEAT_WIRE.get(reduce_op)  # SUM, MIN, MAX spelled as ReduceOp.from_string takes them
-                out = None if wire is None else ext._cross_device_ops.all_reduce_repeat(wire, a)
-                if out is not None:
-                    return out if a is value else [out]
+            elif wire is not None:
+                a = value[0] if type(value) is list and len(value) == 1 else value
+                if type(a) is np.ndarray or dev.is_cupy_array(a):
+                    out = ext._cross_device_ops.all_reduce_repeat(wire, a)
+                    if out is not None:
+                        return out if a is value else [out]
         op = ReduceOp.from_string(reduce_op)
         if type(value) is np.ndarray and self._rendezvous.n == 1:  # nothing to walk or rebuild
             return ext._cross_device_ops._all_reduce_alone(op, [value], ext._local_devices, options)[0]

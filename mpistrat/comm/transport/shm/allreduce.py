@@ -266,13 +266,10 @@ class ShmTransport(Transport):
             result = self._scratch.get(count, dtype) if out is None else out
             self._sum_all(count, dtype, ufunc, result, synced)
             return result
-        blocks = self.result_blocks
-        if blocks.may_share(count, dtype):  # made at this size's first call, after the check (collective)
+        if self.result_blocks.may_share(count, dtype):  # made at this size's first call, after the check
             hook.staged(first=False)
             hook = NO_AGREEMENT
-            shared = blocks.make(count, dtype)
-        else:
-            shared = blocks.shared_results(count, dtype)
+        shared = self.result_blocks.make(count, dtype)  # collective only where it makes them
         if shared is not None:  # before the first synchronisation: every rank's choice, every call
             shared.publish(PRIVATE if out is None else shared.slot_of(out))
         try:
