@@ -26,6 +26,7 @@ __all__ = [
     "parse_bool",
     "l2_cache_bytes",
     "default_chunk_bytes",
+    "cache_block_bytes",
 ]
 
 PREFIX = "MPISTRAT_"
@@ -140,14 +141,14 @@ def l2_cache_bytes() -> int | None:
     return None
 
 
-def _default_block_bytes() -> tuple[int, str]:
-    """The shared-memory reduce block: an eighth of L2, so the blocks one reduction step touches
-    on a node of up to seven ranks stay in cache together (256 KiB when L2 is unknown)."""
+def cache_block_bytes() -> tuple[int, str]:
+    """A block of an eighth of L2 (a power of two, at least 16 KiB; 256 KiB when L2 is unknown), so that
+    the blocks one pass of an array operation touches together stay in cache; and where that came from.
+    The shared-memory reduce's default block (up to seven ranks' blocks at once) and the optimizers'."""
     l2 = l2_cache_bytes()
     if l2 is None:
         return 256 << 10, "default"
-    block = 1 << max(14, (l2 // 8).bit_length() - 1)  # a power of two, at least 16 KiB
-    return block, "hardware"
+    return 1 << max(14, (l2 // 8).bit_length() - 1), "hardware"
 
 
 def default_chunk_bytes() -> tuple[int, str]:
@@ -240,7 +241,7 @@ class _Parsed:
             except ValueError as exc:
                 self.errors[var.field] = str(exc)
         if self.values.get("shm_block_bytes", 0) is None:
-            self.values["shm_block_bytes"], self.sources["shm_block_bytes"] = _default_block_bytes()
+            self.values["shm_block_bytes"], self.sources["shm_block_bytes"] = cache_block_bytes()
         if self.values.get("shm_chunk_bytes", 0) is None:
             self.values["shm_chunk_bytes"], self.sources["shm_chunk_bytes"] = default_chunk_bytes()
         self.settings = None if self.errors else Settings(**self.values, sources=self.sources)

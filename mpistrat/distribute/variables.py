@@ -147,6 +147,11 @@ class BaseVariable(_Operators):
             raise error
         return value
 
+    def _apply_in_place(self, kernel: Callable[..., None], operands: tuple, *args: Any) -> bool:
+        """Run an optimizer's update rule ``kernel(array, *operands, *args)`` on the variable's own array, in place
+        (``Variable``); False when it was not (here: always), and the caller assigns instead."""
+        return False
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -405,16 +410,39 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
                 or (delta.shape != self._array.shape and delta.ndim != 0)
                 or sys.getrefcount(self._array) > _SOLE_OWNER_REFS):
             return False
-        array = self._array
-        try:
-            array.flags.writeable = True
-        except ValueError:  # not the array's own memory
-            return False
-        try:
-            (np.add if method == "assign_add" else np.subtract)(array, delta, out=array)
-        finally:
-            array.flags.writeable = False
-        return True
+        ufunc = np.add if method == "assign_add" else np.subtract
+        return _write_alone(self._array, lambda array: ufunc(array, delta, out=array))
+
+    def _apply_in_place(self, kernel: Callable[..., None], operands: tuple, *args: Any) -> bool:
+        """``kernel(array, *operands, *args)`` on the variable's own NumPy array (an optimizer's update rule, cache
+        block by cache block), when no one else can see the array (as ``_update_in_place``) and it and every
+        operand are C-contiguous NumPy arrays of the variable's dtype and shape; False if not done, and then
+        nothing changed. ``kernel`` writes only into its first argument."""
+        with self._update_lock:
+            if self._on_gpu or sys.getrefcount(self._array) > _SOLE_OWNER_REFS:
+                return False
+            array = self._array
+            if not array.flags.c_contiguous:
+                return False
+            dtype, shape = array.dtype, array.shape
+            for x in operands:
+                if type(x) is not np.ndarray or x.dtype != dtype or x.shape != shape or not x.flags.c_contiguous:
+                    return False
+            return _write_alone(array, lambda target: kernel(target, *operands, *args))
+
+
+def _write_alone(array: np.ndarray, write: Callable[[np.ndarray], Any]) -> bool:
+    """``write(array)`` into a variable's read-only array, made writable meanwhile; False (nothing written)
+    when the array is not its own memory."""
+    try:
+        array.flags.writeable = True
+    except ValueError:  # not the array's own memory
+        return False
+    try:
+        write(array)
+    finally:
+        array.flags.writeable = False
+    return True
 
 
 # References to a variable's array when only the variable holds it: its attribute and getrefcount's argument.

@@ -10,6 +10,7 @@ import numpy as np
 from mpistrat.distribute import context
 from mpistrat import devices as dev
 from mpistrat.arrays import NATIVE_NUMERIC, as_array
+from mpistrat.train import kernels
 from mpistrat.distribute.values import DistributedValues, ReduceOp
 from mpistrat.distribute.variables import BaseVariable, Variable
 
@@ -203,6 +204,11 @@ class SGD(Optimizer):
     def _update_step(self, var: Any, grad: Any, slots: dict, coefficients: dict) -> None:
         lr = coefficients["lr"]
         if not self.momentum:
+            # In place, block by block, where the variable allows it; the bits of assign_sub(lr * grad) (a
+            # Python float times floats keeps their dtype).
+            if (type(grad) is np.ndarray and grad.dtype.kind == "f" and type(lr) is float
+                    and var._apply_in_place(kernels.sgd, (grad,), lr)):
+                return
             var.assign_sub(lr * grad)
             return
         velocity = slots["momentum"]
