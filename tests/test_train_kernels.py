@@ -1,125 +1,252 @@
-"""The optimizers' in-place update rules: NumPy's bits, block by block, and only where the variable allows it."""
+"""The optimizers' in-place update rules: the assigned rule's bits, block by block, only where nothing can tell."""
 
 from __future__ import annotations
+
+import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
 
 import mpistrat as ms
-from mpistrat.optimizers import SGD
+from mpistrat.distribute import in_place
+from mpistrat.optimizers import SGD, Adam
 from mpistrat.train import kernels
 
 STEP32 = kernels.BLOCK_BYTES // 4  # float32 items per block
+SHAPES = [(1,), (STEP32 - 1,), (STEP32,), (STEP32 + 1,), (3 * STEP32 + 5,), (257, 1029)]
+FLOATS = ["float16", "float32", "float64", "longdouble"]
+RULES = {  # name: (optimizer, its slots)
+    "sgd": (lambda: SGD(0.0123), ()),
+    "momentum": (lambda: SGD(0.0123, momentum=0.9), ("momentum",)),
+    "nesterov": (lambda: SGD(0.0123, momentum=0.9, nesterov=True), ("momentum",)),
+    "adam": (lambda: Adam(0.0123), ("m", "v")),
+}
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
-@pytest.mark.parametrize("shape", [(0,), (1,), (STEP32 - 1,), (STEP32,), (STEP32 + 1,), (3 * STEP32 + 5,),
-                                   (257, 1029)])
-def test_sgd_kernel_has_numpys_bits(dtype, shape):
-    rng = np.random.default_rng(sum(shape))
-    param = rng.standard_normal(shape).astype(dtype)
-    grad = rng.standard_normal(shape).astype(dtype) * 1e3
-    lr = 0.012345
-    expected = param.copy()
-    expected -= lr * grad
-    kernels.sgd(param, grad, lr)
-    assert param.dtype == np.dtype(dtype)
-    np.testing.assert_array_equal(param.view(np.uint8), expected.view(np.uint8))
-
-
-def _address(var) -> int:
-    return var.value().__array_interface__["data"][0]  # the reference is dropped with the dict
+def _same(a, b) -> bool:
+    """Bit for bit, but for long double's padding: equal values (NaN to NaN) with equal signs."""
+    a, b = np.asarray(a), np.asarray(b)
+    return (a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+            and np.array_equal(np.signbit(a), np.signbit(b)))
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The real ``kernels.sgd``, counted."""
+    """Every kernel, the real one, counted: ``[(name, shape), ...]``."""
     calls = []
-    real = kernels.sgd
+    for name in ("sgd", "momentum", "nesterov", "adam"):
+        real = getattr(kernels, name)
 
-    def counted(param, grad, lr):
-        calls.append(param.shape)
-        real(param, grad, lr)
+        def counted(param, *rest, _real=real, _name=name):
+            calls.append((_name, param.shape))
+            _real(param, *rest)
 
-    monkeypatch.setattr(kernels, "sgd", counted)
+        monkeypatch.setattr(kernels, name, counted)
     return calls
 
 
-def test_sgd_updates_a_float_variable_in_place_with_assign_subs_bits(kernel_calls):
-    shape = (STEP32 + 7,)
-    rng = np.random.default_rng(1)
-    grad = rng.standard_normal(shape).astype(np.float32)
-    var = ms.Variable(rng.standard_normal(shape).astype(np.float32))
-    twin = ms.Variable(var.numpy())
-    before = _address(var)
-    SGD(0.5).apply_gradients([(grad, var)])
-    twin.assign_sub(0.5 * grad)
-    assert _address(var) == before  # no new array: the kernel wrote into the variable's own
-    assert kernel_calls == [shape]
-    np.testing.assert_array_equal(var.numpy(), twin.numpy())
-    assert not var.value().flags.writeable  # read-only again, as every value a variable hands out
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(0,), *SHAPES])
+def test_kernels_have_the_bits_of_numpy_expressions(dtype, shape):
+    rng = np.random.default_rng(sum(shape))
+    p, v, m, g = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    v2 = np.abs(v)  # Adam's second moment
+    lr, mu, b1, b2, eps = 0.0123, 0.9, 0.9, 0.999, 1e-7
+
+    param = p.copy()
+    kernels.sgd(param, g, lr)
+    assert _same(param, p - lr * g)
+
+    for kernel, nesterov in ((kernels.momentum, False), (kernels.nesterov, True)):
+        param, velocity = p.copy(), v.copy()
+        kernel(param, velocity, g, lr, mu)
+        new_v = mu * v - lr * g
+        assert _same(velocity, new_v)
+        assert _same(param, p + (mu * new_v - lr * g if nesterov else new_v))
+
+    param, m1, m2 = p.copy(), m.copy(), v2.copy()
+    kernels.adam(param, m1, m2, g, lr, b1, b2, eps)
+    new_m = b1 * m + (1 - b1) * g
+    new_v = b2 * v2 + (1 - b2) * (g * g)
+    assert _same(m1, new_m)
+    assert _same(m2, new_v)
+    assert _same(param, p - lr * new_m / (np.sqrt(new_v) + eps))
 
 
-def test_sgd_leaves_a_held_value_and_a_strided_gradient_to_assign(kernel_calls):
-    rng = np.random.default_rng(2)
-    var = ms.Variable(rng.standard_normal((64, 32)).astype(np.float32))
-    held = var.value()
-    snapshot = held.copy()
-    grad = rng.standard_normal((32, 64)).astype(np.float32).T  # not C-contiguous
-    expected = snapshot - np.float32(0.25) * grad
-    SGD(0.25).apply_gradients([(grad, var)])
-    np.testing.assert_array_equal(held, snapshot)  # the snapshot the caller holds did not change
-    np.testing.assert_array_equal(var.numpy(), expected)
-    del held
-    expected -= np.float32(0.25) * grad
-    SGD(0.25).apply_gradients([(grad, var)])  # strided: assigned, the same bits
-    np.testing.assert_array_equal(var.numpy(), expected)
+def test_kernels_refuse_arrays_they_would_copy():
+    fortran = np.asfortranarray(np.ones((4, 3), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.sgd(fortran, np.ones((4, 3), np.float32), 0.5)
+    np.testing.assert_array_equal(fortran, 1)
+
+
+def test_kernels_work_block_by_block():
+    param = np.zeros(8 * STEP32, np.float32)
+    grad = np.ones_like(param)
+    velocity, m, v = np.zeros_like(param), np.zeros_like(param), np.zeros_like(param)
+    tracemalloc.start()
+    try:
+        for call in (lambda: kernels.sgd(param, grad, 0.5), lambda: kernels.momentum(param, velocity, grad, 0.5, 0.9),
+                     lambda: kernels.adam(param, m, v, grad, 0.5, 0.9, 0.999, 1e-7)):
+            tracemalloc.reset_peak()
+            call()
+            assert tracemalloc.get_traced_memory()[1] <= 2 * kernels.BLOCK_BYTES + 4096  # scratch, not an array
+    finally:
+        tracemalloc.stop()
+
+
+def _train(rule: str, dtype: str, shape: tuple, hold: bool, steps: int = 3):
+    """Weights and slots after ``steps`` updates; ``hold``: a snapshot of every array is held meanwhile
+    (so no update may write in place: the assigning path, the reference)."""
+    make, slot_names = RULES[rule]
+    rng = np.random.default_rng(7)
+    var = ms.Variable(rng.standard_normal(shape).astype(dtype))
+    opt = make()
+    opt.build([var])
+    slots = [opt.get_slot(var, s) for s in slot_names]
+    for step in range(steps):
+        grad = rng.standard_normal(shape).astype(dtype)
+        held = [x.value() for x in (var, *slots)] if hold else []
+        before = [h.copy() for h in held]
+        opt.apply_gradients([(grad, var)])
+        for h, b in zip(held, before):
+            assert _same(h, b)  # a held snapshot never changes
+        del held
+    return [x.numpy() for x in (var, *slots)]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_in_place_updates_have_the_assigned_updates_bits(rule, dtype, kernel_calls):
+    shape = (2 * STEP32 + 3,)
+    reference = _train(rule, dtype, shape, hold=True)
+    assert kernel_calls == []  # held: every update assigned
+    fast = _train(rule, dtype, shape, hold=False)
+    assert kernel_calls == [(rule, shape)] * 3
+    for a, b in zip(fast, reference):
+        assert _same(a, b)
+
+
+def test_an_in_place_update_keeps_the_variables_array_and_read_only(kernel_calls):
+    var = ms.Variable(np.ones(STEP32 + 7, np.float32))
+    address = var.value().__array_interface__["data"][0]  # no reference kept
+    SGD(0.5).apply_gradients([(np.ones(STEP32 + 7, np.float32), var)])
+    assert kernel_calls == [("sgd", (STEP32 + 7,))]
+    assert var.value().__array_interface__["data"][0] == address
+    assert not var.value().flags.writeable
+    np.testing.assert_array_equal(var.numpy(), 0.5)
+
+
+@pytest.mark.parametrize("case", ["held value", "strided gradient", "fortran variable", "numpy lr", "0-d",
+                                  "wider gradient"])
+def test_updates_assign_where_in_place_could_differ(case, kernel_calls):
+    shape = (2 * STEP32 + 3,)
+    grad = np.linspace(-1, 1, shape[0]).astype(np.float32)
+    start = np.arange(shape[0], dtype=np.float32)
+    opt = SGD(0.1)
+    held = None
+    if case == "held value":
+        var = ms.Variable(start)
+        held = var.value()
+    elif case == "strided gradient":
+        var = ms.Variable(start)
+        grad = np.repeat(grad, 2)[::2]
+    elif case == "fortran variable":
+        start, grad = start[:-3].reshape(-1, 2, order="F"), grad[:-3].reshape(-1, 2, order="F")
+        var = ms.Variable(np.asfortranarray(start))
+        assert not var.value().flags.c_contiguous
+    elif case == "numpy lr":
+        var = ms.Variable(start)
+        opt.learning_rate = np.float64(0.1)  # not weak: lr * grad is float64, then cast
+    elif case == "0-d":
+        start, grad = np.float32(3.0), np.array(1 / 3, np.float32)
+        var = ms.Variable(start)
+    else:
+        var = ms.Variable(start)
+        grad = grad.astype(np.float64)
+    expected = (start - opt.learning_rate * grad).astype(np.float32)
+    opt.apply_gradients([(grad, var)])
     assert kernel_calls == []
-    SGD(0.25).apply_gradients([(np.ascontiguousarray(grad), var)])
-    assert kernel_calls == [(64, 32)]
+    assert _same(var.numpy(), expected)
+    if held is not None:
+        np.testing.assert_array_equal(held, start)
 
 
-def test_sgd_keeps_assigns_casts_and_errors(kernel_calls):
-    wide = ms.Variable(np.ones(5, np.float32))
-    grad64 = np.full(5, 1 / 3)  # float64 into float32: assign's cast, not the kernel
-    SGD(0.1).apply_gradients([(grad64, wide)])
-    np.testing.assert_array_equal(wide.numpy(), (np.ones(5, np.float32) - 0.1 * grad64).astype(np.float32))
+def test_integer_variables_still_refuse_a_float_step(kernel_calls):
     counts = ms.Variable(np.ones(3, np.int64))
-    with pytest.raises(TypeError, match="int64"):  # a float step into an integer variable still raises
+    with pytest.raises(TypeError, match="variable"):
         SGD(0.1).apply_gradients([(np.ones(3, np.int64), counts)])
     np.testing.assert_array_equal(counts.numpy(), np.ones(3, np.int64))
     assert kernel_calls == []
 
 
-def test_apply_in_place_refuses_what_it_cannot_do_bitwise():
-    var = ms.Variable(np.zeros(4, np.float32))
-    calls = []
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_a_floating_point_error_that_raises_leaves_every_array_as_it_was(rule, kernel_calls):
+    shape = (3 * STEP32,)
+    make, slot_names = RULES[rule]
+    var = ms.Variable(np.zeros(shape, np.float32))
+    opt = make()
+    opt.apply_gradients([(np.ones(shape, np.float32), var)])
+    kernel_calls.clear()
+    before = [x.numpy() for x in (var, *[opt.get_slot(var, s) for s in slot_names])]
+    grad = np.zeros(shape, np.float32)
+    grad[-1] = 3e38  # overflows in the last block only
+    opt.learning_rate = 1e3
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        opt.apply_gradients([(grad, var)])
+    after = [x.numpy() for x in (var, *[opt.get_slot(var, s) for s in slot_names])]
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+    assert kernel_calls == []
 
-    def kernel(target, *operands):
-        calls.append(len(operands))
-        target += 1
 
-    assert not var._apply_in_place(kernel, (np.ones(4, np.float64),))  # another dtype
-    assert not var._apply_in_place(kernel, (np.ones(5, np.float32),))  # another shape
-    assert not var._apply_in_place(kernel, ([1.0, 1.0, 1.0, 1.0],))  # not an array
-    held = var.value()
-    assert not var._apply_in_place(kernel, (np.ones(4, np.float32),))  # someone holds the value
-    del held
-    assert calls == []
-    assert var._apply_in_place(kernel, (np.ones(4, np.float32),), 7)
-    assert calls == [2]
-    np.testing.assert_array_equal(var.numpy(), np.ones(4, np.float32))
+def test_a_warnings_filter_that_raises_keeps_updates_assigning(kernel_calls):
+    var = ms.Variable(np.ones(4, np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert in_place.errors_may_raise()
+        SGD(0.5).apply_gradients([(np.ones(4, np.float32), var)])
+    assert kernel_calls == []
+    np.testing.assert_array_equal(var.numpy(), 0.5)
+    assert not in_place.errors_may_raise()  # NumPy's default modes only warn
 
 
-def test_mirrored_copies_take_the_kernel_and_stay_equal(kernel_calls):
+def test_assign_sub_in_place_leaves_the_variable_alone_when_an_error_raises():
+    var = ms.Variable(np.full(4, 3e38, np.float32))
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        var.assign_add(np.full(4, 3e38, np.float32))
+    np.testing.assert_array_equal(var.numpy(), np.float32(3e38))
+
+
+def test_writing_refuses_the_same_array_twice_and_unlocks():
+    var = ms.Variable(np.ones(4, np.float32))
+    with in_place.writing((var, var)) as arrays:
+        assert arrays is None
+    with in_place.writing((var,)) as arrays:
+        assert arrays is not None and arrays[0].flags.writeable
+        assert not var._update_lock.acquire(blocking=False)  # locked against other updates meanwhile
+    assert var._update_lock.acquire(blocking=False)
+    var._update_lock.release()
+    assert not var.value().flags.writeable
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_mirrored_copies_take_the_kernel_and_stay_equal(rule, kernel_calls):
+    shape = (2 * STEP32 + 3,)
     strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
-        var = ms.Variable(np.arange(2 * STEP32 + 3, dtype=np.float32))
-        opt = SGD(0.5)
-    grad = np.linspace(-1, 1, 2 * STEP32 + 3).astype(np.float32)
-    expected = np.arange(2 * STEP32 + 3, dtype=np.float32) - 0.5 * grad
-    strategy.run(lambda: opt.apply_gradients([(grad, var)], experimental_aggregate_gradients=False))
-    copies = strategy.experimental_local_results(var)
-    for copy in copies:
-        np.testing.assert_array_equal(copy.numpy(), expected)
-    assert kernel_calls == [(2 * STEP32 + 3,)] * 2
+        var = ms.Variable(np.arange(shape[0], dtype=np.float32))
+        opt = RULES[rule][0]()
+    grad = np.linspace(-1, 1, shape[0]).astype(np.float32)
+    for _ in range(2):
+        strategy.run(lambda: opt.apply_gradients([(grad, var)], experimental_aggregate_gradients=False))
+    assert kernel_calls == [(rule, shape)] * 4
+    reference = ms.Variable(np.arange(shape[0], dtype=np.float32))
+    ref_opt = RULES[rule][0]()
+    for _ in range(2):
+        held = reference.value()  # assigning path
+        ref_opt.apply_gradients([(grad, reference)])
+        del held
+    for copy in strategy.experimental_local_results(var):
+        assert _same(copy.numpy(), reference.numpy())

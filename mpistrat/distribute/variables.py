@@ -14,13 +14,12 @@ import copy
 import enum
 import itertools
 import re
-import sys
 import threading
 from typing import Any, Callable
 
 import numpy as np
 
-from mpistrat.distribute import context
+from mpistrat.distribute import context, in_place
 from mpistrat import arrays
 from mpistrat import devices as dev
 from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, ValueOperators
@@ -147,10 +146,10 @@ class BaseVariable(_Operators):
             raise error
         return value
 
-    def _apply_in_place(self, kernel: Callable[..., None], operands: tuple, *args: Any) -> bool:
-        """Run an optimizer's update rule ``kernel(array, *operands, *args)`` on the variable's own array, in place
-        (``Variable``); False when it was not (here: always), and the caller assigns instead."""
-        return False
+    def _in_place_owner(self) -> "Variable | None":
+        """The plain variable whose own host array an update here may write into (``in_place.writing``), or
+        None: this one keeps no such array (it is updated by assignment)."""
+        return None
 
     @property
     def ndim(self) -> int:
@@ -397,56 +396,30 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
             self._array = _frozen(new)
         return self
 
-
     def _update_in_place(self, method: str, delta: Any) -> bool:
-        """Add or subtract ``delta`` into the NumPy array itself when no one else can see it; False if not done.
+        """Add or subtract ``delta`` into the NumPy array itself (the caller holds the update lock); False if
+        not done.
 
-        ``value()`` promises a snapshot, so the array is modified only when nothing outside this
-        variable refers to it (a view or a buffer export holds a reference to its base), and only
-        when the result has the variable's own dtype and shape, so the outcome is bitwise that of
-        the copying path. This saves an allocation (and its page faults) per update.
+        Only where ``in_place.writing`` would allow it (nobody else sees the array, no floating-point error
+        can raise halfway), and only when the result has the variable's own dtype and shape, so the outcome
+        is bitwise that of the copying path. This saves an allocation (and its page faults) per update.
         """
         if (type(delta) is not np.ndarray or delta.dtype != self._array.dtype
                 or (delta.shape != self._array.shape and delta.ndim != 0)
-                or sys.getrefcount(self._array) > _SOLE_OWNER_REFS):
+                or not in_place.sole_owner(self) or in_place.errors_may_raise()):
             return False
-        ufunc = np.add if method == "assign_add" else np.subtract
-        return _write_alone(self._array, lambda array: ufunc(array, delta, out=array))
+        array = self._array
+        if not in_place.writable((array,)):
+            return False
+        try:
+            (np.add if method == "assign_add" else np.subtract)(array, delta, out=array)
+        finally:
+            array.flags.writeable = False
+        return True
 
-    def _apply_in_place(self, kernel: Callable[..., None], operands: tuple, *args: Any) -> bool:
-        """``kernel(array, *operands, *args)`` on the variable's own NumPy array (an optimizer's update rule, cache
-        block by cache block), when no one else can see the array (as ``_update_in_place``) and it and every
-        operand are C-contiguous NumPy arrays of the variable's dtype and shape; False if not done, and then
-        nothing changed. ``kernel`` writes only into its first argument."""
-        with self._update_lock:
-            if self._on_gpu or sys.getrefcount(self._array) > _SOLE_OWNER_REFS:
-                return False
-            array = self._array
-            if not array.flags.c_contiguous:
-                return False
-            dtype, shape = array.dtype, array.shape
-            for x in operands:
-                if type(x) is not np.ndarray or x.dtype != dtype or x.shape != shape or not x.flags.c_contiguous:
-                    return False
-            return _write_alone(array, lambda target: kernel(target, *operands, *args))
-
-
-def _write_alone(array: np.ndarray, write: Callable[[np.ndarray], Any]) -> bool:
-    """``write(array)`` into a variable's read-only array, made writable meanwhile; False (nothing written)
-    when the array is not its own memory."""
-    try:
-        array.flags.writeable = True
-    except ValueError:  # not the array's own memory
-        return False
-    try:
-        write(array)
-    finally:
-        array.flags.writeable = False
-    return True
-
-
-# References to a variable's array when only the variable holds it: its attribute and getrefcount's argument.
-_SOLE_OWNER_REFS = 2
+    def _in_place_owner(self) -> "Variable | None":
+        """This variable, when its array is NumPy's (see ``BaseVariable._in_place_owner``)."""
+        return None if self._on_gpu else self
 
 
 class DistributedVariable(BaseVariable, DistributedValues):
@@ -565,6 +538,13 @@ class MirroredVariable(DistributedVariable, Mirrored):
     def value(self) -> Any:
         comp = self._local_component()
         return (comp or self._values[0]).value()
+
+    def _in_place_owner(self) -> Variable | None:
+        """Inside ``extended.update``, the copy being updated (as ``_assign`` writes it); else None."""
+        frame = context.current_frame()
+        if frame.strategy is self._strategy and frame.update_replica is not None:
+            return self._values[frame.update_replica]._in_place_owner()
+        return None
 
     def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
         self._in_this_strategy()

@@ -2,33 +2,93 @@
 
 from __future__ import annotations
 
+from typing import Iterator, Sequence
+
 import numpy as np
 
 from mpistrat.config import cache_block_bytes
 
-__all__ = ["BLOCK_BYTES", "sgd"]
+__all__ = ["BLOCK_BYTES", "adam", "applies", "momentum", "nesterov", "sgd"]
 
-# Each rule passes over a block of the weights, the gradient and a scratch block before it moves on, so
-# the gradient is read and the weights are read and written once from memory; ``p -= lr * g`` in NumPy
-# writes the whole ``lr * g`` out and reads it back (benchmarks/README.md, "optimizer_apply.py").
+# A rule passes over one block of each array (and scratch blocks) before the next, so each array crosses
+# memory once per step; NumPy's whole-array expressions write every temporary out and read it back.
 BLOCK_BYTES = cache_block_bytes()[0]
+
+_add, _subtract, _multiply, _divide, _sqrt = np.add, np.subtract, np.multiply, np.divide, np.sqrt
+
+
+def applies(arrays: Sequence[np.ndarray], grad: object, coefficients: Sequence[object]) -> bool:
+    """Whether the rules below give the bits of the same rule written with NumPy expressions and
+    ``assign``: ``grad`` a floating NumPy array of at least one dimension (NumPy 1's promotion makes a 0-d
+    product float64) and, with every array, C-contiguous, of one dtype and shape; every coefficient a
+    Python ``float`` (which NumPy casts to the arrays' dtype: a NumPy scalar may widen the arithmetic)."""
+    if (type(grad) is not np.ndarray or grad.dtype.kind != "f" or grad.ndim == 0
+            or not grad.flags.c_contiguous):
+        return False
+    dtype, shape = grad.dtype, grad.shape
+    for array in arrays:
+        if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+            return False
+    return all(type(c) is float for c in coefficients)
+
+
+def _blocks(arrays: Sequence[np.ndarray], scratch: int) -> Iterator[list[np.ndarray]]:
+    """Per block: that block of each array (flat), then ``scratch`` blocks of their dtype."""
+    for array in arrays:
+        if not array.flags.c_contiguous:  # reshape would copy, and the rule would write into the copy
+            raise ValueError("update kernels need C-contiguous arrays")
+    flat = [array.reshape(-1) for array in arrays]
+    n, dtype = flat[0].shape[0], flat[0].dtype
+    step = max(1, min(n, BLOCK_BYTES // dtype.itemsize))
+    tmp = [np.empty(step, dtype) for _ in range(scratch)]
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        size = end - start
+        yield [f[start:end] for f in flat] + [t[:size] for t in tmp]
 
 
 def sgd(param: np.ndarray, grad: np.ndarray, lr: float) -> None:
-    """``param -= lr * grad`` for C-contiguous arrays of one dtype and shape, with the bits of NumPy's
-    (the product rounded to the dtype, then subtracted)."""
-    p, g = param.reshape(-1), grad.reshape(-1)
-    n = p.shape[0]
-    step = max(1, BLOCK_BYTES // p.itemsize)
-    if n <= step:
-        np.subtract(p, np.multiply(g, lr), out=p)
-        return
-    scratch = np.empty(step, p.dtype)
-    multiply, subtract = np.multiply, np.subtract
-    for start in range(0, n, step):
-        end = start + step
-        if end > n:
-            end, scratch = n, scratch[: n - start]
-        block = p[start:end]
-        multiply(g[start:end], lr, out=scratch)
-        subtract(block, scratch, out=block)
+    """``param -= lr * grad``."""
+    for p, g, t in _blocks((param, grad), 1):
+        _multiply(g, lr, out=t)
+        _subtract(p, t, out=p)
+
+
+def momentum(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float) -> None:
+    """``velocity = mu * velocity - lr * grad``; ``param += velocity``."""
+    for p, v, g, t, u in _blocks((param, velocity, grad), 2):
+        _multiply(v, mu, out=t)
+        _multiply(g, lr, out=u)
+        _subtract(t, u, out=v)
+        _add(p, v, out=p)
+
+
+def nesterov(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float) -> None:
+    """``velocity = mu * velocity - lr * grad``; ``param += mu * velocity - lr * grad``."""
+    for p, v, g, t, u in _blocks((param, velocity, grad), 2):
+        _multiply(v, mu, out=t)
+        _multiply(g, lr, out=u)
+        _subtract(t, u, out=v)
+        _multiply(v, mu, out=t)
+        _subtract(t, u, out=t)
+        _add(p, t, out=p)
+
+
+def adam(param: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, lr: float, beta_1: float,
+         beta_2: float, epsilon: float) -> None:
+    """``m = beta_1 m + (1 - beta_1) grad``; ``v = beta_2 v + (1 - beta_2) grad^2``;
+    ``param -= lr * m / (sqrt(v) + epsilon)``."""
+    keep_1, keep_2 = 1 - beta_1, 1 - beta_2
+    for p, mb, vb, g, t, u in _blocks((param, m, v, grad), 2):
+        _multiply(mb, beta_1, out=t)
+        _multiply(g, keep_1, out=u)
+        _add(t, u, out=mb)
+        _multiply(g, g, out=t)
+        _multiply(t, keep_2, out=t)
+        _multiply(vb, beta_2, out=u)
+        _add(u, t, out=vb)
+        _multiply(mb, lr, out=t)
+        _sqrt(vb, out=u)
+        _add(u, epsilon, out=u)
+        _divide(t, u, out=t)
+        _subtract(p, t, out=p)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -12,6 +12,7 @@ from mpistrat import devices as dev
 from mpistrat.arrays import NATIVE_NUMERIC, as_array
 from mpistrat.train import kernels
 from mpistrat.distribute.values import DistributedValues, ReduceOp
+from mpistrat.distribute.in_place import writing
 from mpistrat.distribute.variables import BaseVariable, Variable
 
 __all__ = ["Optimizer", "SGD", "Adam", "get"]
@@ -41,6 +42,17 @@ def _add(copy: Any, delta: Any, j: int) -> None:
 
 def _project(copy: Any, _: Any, j: int) -> None:
     copy.assign(copy.constraint(copy.value()))
+
+
+def _in_place(kernel: Callable[..., None], variables: tuple, grad: Any, *coefficients: float) -> bool:
+    """``kernel(*arrays, grad, *coefficients)`` on the arrays of ``variables``' copies being updated, block by
+    block, where they may be written in place (``in_place.writing``) and the kernel gives the bits of the
+    same rule assigned (``kernels.applies``); whether it ran (if not, nothing changed: assign instead)."""
+    with writing(variables) as arrays:
+        done = arrays is not None and kernels.applies(arrays, grad, coefficients)
+        if done:
+            kernel(*arrays, grad, *coefficients)
+    return done
 
 
 def _key(var: Any) -> Any:
@@ -204,14 +216,13 @@ class SGD(Optimizer):
     def _update_step(self, var: Any, grad: Any, slots: dict, coefficients: dict) -> None:
         lr = coefficients["lr"]
         if not self.momentum:
-            # In place, block by block, where the variable allows it; the bits of assign_sub(lr * grad) (a
-            # Python float times floats keeps their dtype).
-            if (type(grad) is np.ndarray and grad.dtype.kind == "f" and type(lr) is float
-                    and var._apply_in_place(kernels.sgd, (grad,), lr)):
-                return
-            var.assign_sub(lr * grad)
+            if not _in_place(kernels.sgd, (var,), grad, lr):
+                var.assign_sub(lr * grad)
             return
         velocity = slots["momentum"]
+        if _in_place(kernels.nesterov if self.nesterov else kernels.momentum, (var, velocity), grad, lr,
+                     self.momentum):
+            return
         new_velocity = self.momentum * velocity.value() - lr * grad
         velocity.assign(new_velocity)
         var.assign_add(self.momentum * new_velocity - lr * grad if self.nesterov else new_velocity)
@@ -243,8 +254,10 @@ class Adam(Optimizer):
         return {"lr": lr_t}
 
     def _update_step(self, var: Any, grad: Any, slots: dict, coefficients: dict) -> None:
-        xp = dev.array_module(var.device)
         m, v = slots["m"], slots["v"]
+        if _in_place(kernels.adam, (var, m, v), grad, coefficients["lr"], self.beta_1, self.beta_2, self.epsilon):
+            return
+        xp = dev.array_module(var.device)
         new_m = self.beta_1 * m.value() + (1 - self.beta_1) * grad
         new_v = self.beta_2 * v.value() + (1 - self.beta_2) * (grad * grad)
         m.assign(new_m)
