@@ -111,6 +111,10 @@ class AggregatingVariable(BaseVariable):
     def __repr__(self) -> str:
         return repr(self._v)
 
+    def _in_place_owner(self) -> Any:
+        """Inside ``extended.update``, the one variable on the parameter device (the one ``_assign`` writes)."""
+        return None if context.updating_copy(self._distribute_strategy) is None else self._v._in_place_owner()
+
     def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
         strategy = self._distribute_strategy
         frame = context.current_frame()
@@ -118,7 +122,7 @@ class AggregatingVariable(BaseVariable):
             raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {frame.strategy} is not "
                                f"{strategy}")
         if frame.strategy is not strategy or frame.replica_context is None:
-            if frame.strategy is strategy and frame.update_replica is not None:  # inside extended.update
+            if context.updating_copy(strategy) is not None:  # inside extended.update
                 self._v._assign(method, value)
                 return self
             strategy.extended.update(self, lambda v, x: v._assign(method, x), args=(value,))

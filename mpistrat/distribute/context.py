@@ -157,6 +157,12 @@ def local_replica_id_of(strategy: Any) -> int | None:
     return None if ctx is None else ctx._local_replica_id
 
 
+def updating_copy(strategy: Any) -> int | None:
+    """Inside ``strategy.extended.update``, the local copy being updated (the one a write goes to); else None."""
+    frame = current_frame()
+    return frame.update_replica if frame.strategy is strategy else None
+
+
 def current_local_replica_id() -> int | None:
     """The local replica whose copy of a mirrored value stands for it here, whatever its strategy.
 

@@ -24,17 +24,23 @@ def sole_owner(variable: Any) -> bool:
 
 
 def errors_may_raise() -> bool:
-    """Whether a floating-point error in a NumPy operation may raise (``np.seterr`` set to raise or call,
-    or its RuntimeWarning made an error by a warnings filter). Then a write into the array itself could
-    stop halfway, where assigning a new array leaves the variable as it was: updates assign instead."""
+    """Whether a floating-point error in a NumPy operation may raise: ``np.seterr`` set to raise or call,
+    or a warnings filter that makes its RuntimeWarning an error (the first filter for RuntimeWarning that
+    matches every message and module decides; a narrower "error" filter before it counts). Then a write
+    into the array itself could stop halfway, where assigning a new array leaves the variable as it was:
+    updates assign instead. Not covered: a ``warnings.showwarning`` that raises, and an interrupt
+    (KeyboardInterrupt) between the blocks of an update."""
     modes = np.geterr().values()
     if any(mode not in _QUIET for mode in modes):
         return True
     if "warn" not in modes:
         return False
-    for action, _message, category, _module, _lineno in warnings.filters:
-        if action == "error" and issubclass(RuntimeWarning, category):
-            return True
+    for action, message, category, module, _lineno in warnings.filters:
+        if issubclass(RuntimeWarning, category):
+            if action == "error":
+                return True
+            if message is None and module is None:  # this filter takes every RuntimeWarning
+                return False
     return False
 
 
@@ -56,9 +62,9 @@ def writable(arrays: Sequence[np.ndarray]) -> bool:
 @contextlib.contextmanager
 def writing(variables: Sequence[Any]) -> Iterator[list[np.ndarray] | None]:
     """The arrays of ``variables``' copies being written here (``_in_place_owner``), writable inside the
-    block and locked against other updates of them, when every one may be written in place (each its own
-    copy, held by nobody else, no floating-point error can raise); None otherwise, and nothing is locked
-    then: assign instead, outside the block."""
+    block and locked against other updates and reads of them (``Variable.value``), when every one may be
+    written in place (each its own copy, held by nobody else, no floating-point error can raise); None
+    otherwise, with nothing locked: assign instead."""
     owners = [v._in_place_owner() for v in variables]
     if any(o is None for o in owners) or len({id(o) for o in owners}) < len(owners) or errors_may_raise():
         yield None
@@ -66,17 +72,16 @@ def writing(variables: Sequence[Any]) -> Iterator[list[np.ndarray] | None]:
     with contextlib.ExitStack() as locks:
         for owner in owners:
             locks.enter_context(owner._update_lock)
-        if not all(sole_owner(owner) for owner in owners):
-            arrays = None
-        else:
+        arrays = None
+        if all(sole_owner(owner) for owner in owners):
             arrays = [owner._array for owner in owners]
             if not writable(arrays):
                 arrays = None
-        if arrays is None:
-            yield None
+        if arrays is not None:
+            try:
+                yield arrays
+            finally:
+                for array in arrays:
+                    array.flags.writeable = False
             return
-        try:
-            yield arrays
-        finally:
-            for array in arrays:
-                array.flags.writeable = False
+    yield None

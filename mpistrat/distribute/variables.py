@@ -197,7 +197,7 @@ def _initial_array(initial_value: Any, dtype: Any, device: str) -> Any:
     xp = dev.array_module(device)
     with dev.device_scope(device):
         arr = dev.to_device(arrays.as_array(initial_value, what="Variable initial_value"), device, copy=True)
-        return arr if target is None or arr.dtype == target else xp.asarray(arr, dtype=target)
+        return xp.asarray(arr, dtype=target, order="C")  # TF has no strides; updates work on C order in place
 
 
 class _VariableMeta(abc.ABCMeta):
@@ -355,7 +355,8 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
 
     def value(self) -> Any:
         """The current array: a snapshot (later assignments replace, not modify, it), read-only for NumPy."""
-        return self._array
+        with self._update_lock:  # not while an update writes in place: one that sees this reference copies
+            return self._array
 
     def __deepcopy__(self, memo: dict) -> "Variable":
         """A new variable with this one's value, name, settings and strategy, on the same device (as TF)."""
@@ -380,7 +381,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         with (dev.device_scope(self._device) if on_gpu else _NO_SCOPE), self._update_lock:
             xp = dev.array_module(self._device) if on_gpu else np
             if method == "assign":
-                new = xp.array(new, dtype=self.dtype, copy=True)
+                new = xp.array(new, dtype=self.dtype, copy=True, order="C")  # TF has no strides
                 if new.shape != self._array.shape:
                     raise ValueError(f"Cannot assign a value of shape {new.shape} to variable {self._name} "
                                      f"of shape {self._array.shape}")
@@ -540,18 +541,17 @@ class MirroredVariable(DistributedVariable, Mirrored):
         return (comp or self._values[0]).value()
 
     def _in_place_owner(self) -> Variable | None:
-        """Inside ``extended.update``, the copy being updated (as ``_assign`` writes it); else None."""
-        frame = context.current_frame()
-        if frame.strategy is self._strategy and frame.update_replica is not None:
-            return self._values[frame.update_replica]._in_place_owner()
-        return None
+        """Inside ``extended.update``, the copy being updated (the one ``_assign`` writes); else None."""
+        j = context.updating_copy(self._strategy)
+        return None if j is None else self._values[j]._in_place_owner()
 
     def _assign(self, method: str, value: Any, read_value: bool = True) -> Any:
         self._in_this_strategy()
-        frame = context.current_frame()
-        if frame.strategy is self._strategy and frame.update_replica is not None:  # inside extended.update
-            self._values[frame.update_replica]._assign(method, value)
+        j = context.updating_copy(self._strategy)
+        if j is not None:  # inside extended.update
+            self._values[j]._assign(method, value)
             return self
+        frame = context.current_frame()
         ext = self._strategy.extended
         if frame.strategy is not self._strategy or frame.cross_replica:
             if isinstance(value, PerReplica):

@@ -15,13 +15,16 @@ __all__ = ["BLOCK_BYTES", "adam", "applies", "momentum", "nesterov", "sgd"]
 BLOCK_BYTES = cache_block_bytes()[0]
 
 _add, _subtract, _multiply, _divide, _sqrt = np.add, np.subtract, np.multiply, np.divide, np.sqrt
+# NumPy 1 promotes a Python float by its value (NEP 50 made it weak in NumPy 2).
+_VALUE_BASED = np.lib.NumpyVersion(np.__version__) < "2.0.0"
 
 
 def applies(arrays: Sequence[np.ndarray], grad: object, coefficients: Sequence[object]) -> bool:
     """Whether the rules below give the bits of the same rule written with NumPy expressions and
     ``assign``: ``grad`` a floating NumPy array of at least one dimension (NumPy 1's promotion makes a 0-d
     product float64) and, with every array, C-contiguous, of one dtype and shape; every coefficient a
-    Python ``float`` (which NumPy casts to the arrays' dtype: a NumPy scalar may widen the arithmetic)."""
+    Python ``float`` that NumPy casts to the arrays' dtype (a NumPy scalar may widen the arithmetic, and
+    so may, on NumPy 1, a float beyond the dtype's range)."""
     if (type(grad) is not np.ndarray or grad.dtype.kind != "f" or grad.ndim == 0
             or not grad.flags.c_contiguous):
         return False
@@ -29,7 +32,10 @@ def applies(arrays: Sequence[np.ndarray], grad: object, coefficients: Sequence[o
     for array in arrays:
         if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
             return False
-    return all(type(c) is float for c in coefficients)
+    for c in coefficients:
+        if type(c) is not float or (_VALUE_BASED and np.result_type(dtype, c) != dtype):
+            return False
+    return True
 
 
 def _blocks(arrays: Sequence[np.ndarray], scratch: int) -> Iterator[list[np.ndarray]]:
