@@ -1,9 +1,10 @@
 """Variables as tf.distribute has them: plain, mirrored (ON_WRITE) or sync-on-read (ON_READ).
 
 ``Variable(...)`` makes the kind the current strategy's scope calls for. An
-assignment replaces a copy's array instead of writing into it, so ``value()``
-is a read-only snapshot; updates of one variable from several replica threads
-are atomic.
+assignment replaces a copy's array, or writes into it only while nothing outside
+the variable refers to it (``in_place``), so ``value()`` is a read-only snapshot
+that never changes; updates of one variable from several replica threads are
+atomic.
 """
 
 from __future__ import annotations
@@ -300,8 +301,10 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
     (Mirrored, MultiWorkerMirrored), a ``MirroredVariable`` or
     ``SyncOnReadVariable`` with one copy per local replica device.
 
-    Assignments replace the array rather than writing into it, so an array
-    returned by ``value()`` is a snapshot that later updates do not change.
+    Assignments replace the array, or write into it only while nothing outside
+    the variable refers to it (``distribute/in_place.py``: ``assign_add``,
+    ``assign_sub`` and the optimizers' update rules), so an array returned by
+    ``value()`` is a snapshot that later updates do not change.
     NumPy values are read-only (as a ``tf.Tensor`` is immutable): write into
     ``numpy()``, which is a copy.
     """
