@@ -199,15 +199,22 @@ def test_a_held_slot_keeps_the_whole_update_assigning(rule, kernel_calls):
 
 
 def test_variables_are_c_ordered_so_updates_stay_in_place(kernel_calls):
-    fortran = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4))
-    var = ms.Variable(fortran)
+    shape = (STEP32, 3)
+    var = ms.Variable(np.asfortranarray(np.zeros(shape, np.float32)))
     assert var.value().flags.c_contiguous
-    var.assign(np.asfortranarray(np.ones((3, 4), np.float32)))
+    var.assign(np.asfortranarray(np.ones(shape, np.float32)))
     assert var.value().flags.c_contiguous
     np.testing.assert_array_equal(var.numpy(), 1)
-    SGD(0.5).apply_gradients([(np.ones((3, 4), np.float32), var)])
-    assert kernel_calls == [("sgd", (3, 4))]
+    SGD(0.5).apply_gradients([(np.ones(shape, np.float32), var)])
+    assert kernel_calls == [("sgd", shape)]
     np.testing.assert_array_equal(var.numpy(), 0.5)
+
+
+def test_short_gradients_keep_the_numpy_expressions(kernel_calls):
+    for rule in sorted(RULES):
+        var = ms.Variable(np.ones(STEP32, np.float32))  # one block: nothing to gain
+        RULES[rule][0]().apply_gradients([(np.ones(STEP32, np.float32), var)])
+    assert kernel_calls == []
 
 
 def test_applies_names_what_the_kernels_need():
@@ -268,22 +275,42 @@ def test_assign_sub_in_place_leaves_the_variable_alone_when_an_error_raises():
 
 
 @pytest.mark.timeout(20)  # a duplicate let through would wait for its own lock
-def test_writing_refuses_the_same_array_twice_and_unlocks():
+def test_run_refuses_the_same_array_twice_and_unlocks():
     var = ms.Variable(np.ones(4, np.float32))
-    with in_place.writing((var, var)) as arrays:
-        assert arrays is None
-    with in_place.writing((var,)) as arrays:
-        assert arrays is not None and arrays[0].flags.writeable
+    seen = []
+
+    def kernel(array, value):
+        seen.append(array.flags.writeable)
         assert not var._update_lock.acquire(blocking=False)  # locked against other updates meanwhile
-    assert var._update_lock.acquire(blocking=False)
-    var._update_lock.release()
+        array += value
+
+    assert not in_place.run((var, var), lambda arrays: True, kernel, 1)
+    assert in_place.run((var,), lambda arrays: True, kernel, 1)
+    assert seen == [True]
+    np.testing.assert_array_equal(var.numpy(), 2)
     assert not var.value().flags.writeable
+    assert not in_place.run((var,), lambda arrays: False, kernel, 1)  # the check refuses
     held = var.value()
-    with in_place.writing((var,)) as arrays:  # refused: nothing stays locked
-        assert arrays is None
+    assert not in_place.run((var,), lambda arrays: True, kernel, 1)  # held
+    del held
+    for _ in range(3):  # every refusal left the lock free
         assert var._update_lock.acquire(blocking=False)
         var._update_lock.release()
-    del held
+    assert seen == [True]
+    np.testing.assert_array_equal(var.numpy(), 2)
+
+
+def test_run_restores_read_only_and_unlocks_when_the_kernel_raises():
+    var = ms.Variable(np.ones(4, np.float32))
+
+    def kernel(array):
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        in_place.run((var,), lambda arrays: True, kernel)
+    assert not var.value().flags.writeable
+    assert var._update_lock.acquire(blocking=False)
+    var._update_lock.release()
 
 
 def test_a_snapshot_read_during_updates_never_changes():

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["errors_may_raise", "sole_owner", "writable", "writing"]
+__all__ = ["errors_may_raise", "run", "sole_owner", "writable"]
 
 # References to a variable's array when only the variable holds it: its attribute and getrefcount's argument.
 _SOLE_OWNER_REFS = 2
@@ -30,8 +29,8 @@ def errors_may_raise() -> bool:
     into the array itself could stop halfway, where assigning a new array leaves the variable as it was:
     updates assign instead. Not covered: a ``warnings.showwarning`` that raises, and an interrupt
     (KeyboardInterrupt) between the blocks of an update."""
-    modes = np.geterr().values()
-    if any(mode not in _QUIET for mode in modes):
+    modes = set(np.geterr().values())
+    if not modes <= _QUIET:
         return True
     if "warn" not in modes:
         return False
@@ -59,29 +58,38 @@ def writable(arrays: Sequence[np.ndarray]) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def writing(variables: Sequence[Any]) -> Iterator[list[np.ndarray] | None]:
-    """The arrays of ``variables``' copies being written here (``_in_place_owner``), writable inside the
-    block and locked against other updates and reads of them (``Variable.value``), when every one may be
-    written in place (each its own copy, held by nobody else, no floating-point error can raise); None
-    otherwise, with nothing locked: assign instead."""
-    owners = [v._in_place_owner() for v in variables]
-    if any(o is None for o in owners) or len({id(o) for o in owners}) < len(owners) or errors_may_raise():
-        yield None
-        return
-    with contextlib.ExitStack() as locks:
+def run(variables: Sequence[Any], check: Callable[[list[np.ndarray]], bool], kernel: Callable[..., None],
+        *args: Any) -> bool:
+    """``kernel(*arrays, *args)`` on the arrays of ``variables``' copies being written here
+    (``_in_place_owner``), writable meanwhile and locked against other updates and reads of them
+    (``Variable.value``), when every one may be written in place (each its own copy, held by nobody
+    else, no floating-point error can raise) and ``check(arrays)`` holds; whether it ran (if not,
+    nothing changed: assign instead)."""
+    owners: list[Any] = []
+    for variable in variables:
+        owner = variable._in_place_owner()
+        if owner is None or any(owner is o for o in owners):
+            return False
+        owners.append(owner)
+    if errors_may_raise():
+        return False
+    locked = []
+    try:
         for owner in owners:
-            locks.enter_context(owner._update_lock)
-        arrays = None
-        if all(sole_owner(owner) for owner in owners):
-            arrays = [owner._array for owner in owners]
-            if not writable(arrays):
-                arrays = None
-        if arrays is not None:
-            try:
-                yield arrays
-            finally:
-                for array in arrays:
-                    array.flags.writeable = False
-            return
-    yield None
+            owner._update_lock.acquire()
+            locked.append(owner._update_lock)
+        for owner in owners:
+            if not sole_owner(owner):
+                return False
+        arrays = [owner._array for owner in owners]
+        if not check(arrays) or not writable(arrays):
+            return False
+        try:
+            kernel(*arrays, *args)
+        finally:
+            for array in arrays:
+                array.flags.writeable = False
+        return True
+    finally:
+        for lock in locked:
+            lock.release()

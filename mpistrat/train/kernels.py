@@ -8,7 +8,7 @@ import numpy as np
 
 from mpistrat.config import cache_block_bytes
 
-__all__ = ["BLOCK_BYTES", "adam", "applies", "momentum", "nesterov", "sgd"]
+__all__ = ["BLOCK_BYTES", "adam", "applies", "momentum", "nesterov", "sgd", "worth"]
 
 # A rule passes over one block of each array (and scratch blocks) before the next, so each array crosses
 # memory once per step; NumPy's whole-array expressions write every temporary out and read it back.
@@ -17,6 +17,12 @@ BLOCK_BYTES = cache_block_bytes()[0]
 _add, _subtract, _multiply, _divide, _sqrt = np.add, np.subtract, np.multiply, np.divide, np.sqrt
 # NumPy 1 promotes a Python float by its value (NEP 50 made it weak in NumPy 2).
 _VALUE_BASED = np.lib.NumpyVersion(np.__version__) < "2.0.0"
+
+
+def worth(grad: object) -> bool:
+    """Whether blocking could pay for ``grad``'s update: a NumPy array longer than one block (a shorter
+    rule's temporaries stay in cache, and the NumPy expressions cost less Python)."""
+    return type(grad) is np.ndarray and grad.nbytes > BLOCK_BYTES
 
 
 def applies(arrays: Sequence[np.ndarray], grad: object, coefficients: Sequence[object]) -> bool:
@@ -39,13 +45,18 @@ def applies(arrays: Sequence[np.ndarray], grad: object, coefficients: Sequence[o
 
 
 def _blocks(arrays: Sequence[np.ndarray], scratch: int) -> Iterator[list[np.ndarray]]:
-    """Per block: that block of each array (flat), then ``scratch`` blocks of their dtype."""
+    """Per block: that block of each array, then ``scratch`` blocks of their dtype (the arrays themselves
+    and scratch arrays of their shape when they fit in one block)."""
     for array in arrays:
         if not array.flags.c_contiguous:  # reshape would copy, and the rule would write into the copy
             raise ValueError("update kernels need C-contiguous arrays")
+    first = arrays[0]
+    n, dtype = first.size, first.dtype
+    step = max(1, BLOCK_BYTES // dtype.itemsize)
+    if n <= step:
+        yield [*arrays, *[np.empty(first.shape, dtype) for _ in range(scratch)]]
+        return
     flat = [array.reshape(-1) for array in arrays]
-    n, dtype = flat[0].shape[0], flat[0].dtype
-    step = max(1, min(n, BLOCK_BYTES // dtype.itemsize))
     tmp = [np.empty(step, dtype) for _ in range(scratch)]
     for start in range(0, n, step):
         end = min(start + step, n)

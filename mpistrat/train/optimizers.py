@@ -12,7 +12,7 @@ from mpistrat import devices as dev
 from mpistrat.arrays import NATIVE_NUMERIC, as_array
 from mpistrat.train import kernels
 from mpistrat.distribute.values import DistributedValues, ReduceOp
-from mpistrat.distribute.in_place import writing
+from mpistrat.distribute import in_place
 from mpistrat.distribute.variables import BaseVariable, Variable
 
 __all__ = ["Optimizer", "SGD", "Adam", "get"]
@@ -46,13 +46,11 @@ def _project(copy: Any, _: Any, j: int) -> None:
 
 def _in_place(kernel: Callable[..., None], variables: tuple, grad: Any, *coefficients: float) -> bool:
     """``kernel(*arrays, grad, *coefficients)`` on the arrays of ``variables``' copies being updated, block by
-    block, where they may be written in place (``in_place.writing``) and the kernel gives the bits of the
-    same rule assigned (``kernels.applies``); whether it ran (if not, nothing changed: assign instead)."""
-    with writing(variables) as arrays:
-        done = arrays is not None and kernels.applies(arrays, grad, coefficients)
-        if done:
-            kernel(*arrays, grad, *coefficients)
-    return done
+    block, where they may be written in place (``in_place.run``) and the kernel gives the bits of the same
+    rule assigned (``kernels.applies``), for gradients longer than a block (``kernels.worth``); whether it
+    ran (if not, nothing changed: assign instead)."""
+    return kernels.worth(grad) and in_place.run(variables, lambda arrays: kernels.applies(arrays, grad, coefficients), kernel, grad,
+                        *coefficients)
 
 
 def _key(var: Any) -> Any:
