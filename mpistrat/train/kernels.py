@@ -73,22 +73,26 @@ def sgd(param: np.ndarray, grad: np.ndarray, lr: float) -> None:
 
 def momentum(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float) -> None:
     """``velocity = mu * velocity - lr * grad``; ``param += velocity``."""
-    for p, v, g, t, u in _blocks((param, velocity, grad), 2):
-        _multiply(v, mu, out=t)
-        _multiply(g, lr, out=u)
-        _subtract(t, u, out=v)
-        _add(p, v, out=p)
+    _momentum(param, velocity, grad, lr, mu, nesterov=False)
 
 
 def nesterov(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float) -> None:
     """``velocity = mu * velocity - lr * grad``; ``param += mu * velocity - lr * grad``."""
+    _momentum(param, velocity, grad, lr, mu, nesterov=True)
+
+
+def _momentum(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float,
+              nesterov: bool) -> None:
     for p, v, g, t, u in _blocks((param, velocity, grad), 2):
         _multiply(v, mu, out=t)
         _multiply(g, lr, out=u)
         _subtract(t, u, out=v)
-        _multiply(v, mu, out=t)
-        _subtract(t, u, out=t)
-        _add(p, t, out=p)
+        if nesterov:
+            _multiply(v, mu, out=t)
+            _subtract(t, u, out=t)
+            _add(p, t, out=p)
+        else:
+            _add(p, v, out=p)
 
 
 def adam(param: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, lr: float, beta_1: float,
