@@ -274,14 +274,28 @@ def test_assign_sub_in_place_leaves_the_variable_alone_when_an_error_raises():
     np.testing.assert_array_equal(var.numpy(), np.float32(3e38))
 
 
-@pytest.mark.timeout(20)  # a duplicate let through would wait for its own lock
+def _free_for_other_threads(var) -> bool:
+    """Whether another thread can take ``var``'s update lock right now."""
+    got = []
+
+    def take() -> None:
+        got.append(var._update_lock.acquire(blocking=False))
+        if got[0]:
+            var._update_lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join()
+    return got[0]
+
+
 def test_run_refuses_the_same_array_twice_and_unlocks():
     var = ms.Variable(np.ones(4, np.float32))
     seen = []
 
     def kernel(array, value):
         seen.append(array.flags.writeable)
-        assert not var._update_lock.acquire(blocking=False)  # locked against other updates meanwhile
+        assert not _free_for_other_threads(var)  # locked against other threads meanwhile
         array += value
 
     assert not in_place.run((var, var), lambda arrays: True, kernel, 1)
@@ -293,9 +307,7 @@ def test_run_refuses_the_same_array_twice_and_unlocks():
     held = var.value()
     assert not in_place.run((var,), lambda arrays: True, kernel, 1)  # held
     del held
-    for _ in range(3):  # every refusal left the lock free
-        assert var._update_lock.acquire(blocking=False)
-        var._update_lock.release()
+    assert _free_for_other_threads(var)  # every refusal left the lock free
     assert seen == [True]
     np.testing.assert_array_equal(var.numpy(), 2)
 
@@ -309,8 +321,52 @@ def test_run_restores_read_only_and_unlocks_when_the_kernel_raises():
     with pytest.raises(RuntimeError, match="kernel failed"):
         in_place.run((var,), lambda arrays: True, kernel)
     assert not var.value().flags.writeable
-    assert var._update_lock.acquire(blocking=False)
-    var._update_lock.release()
+    assert not var._writing
+    assert _free_for_other_threads(var)
+
+
+@pytest.mark.timeout(30)  # a handler that waits on its own thread's lock would hang
+@pytest.mark.parametrize("how", ["optimizer", "assign_sub"])
+def test_a_warning_handler_may_read_the_variable_during_its_update(how, kernel_calls, monkeypatch):
+    shape = (4 * STEP32,)
+    var = ms.Variable(np.full(shape, 3e38, np.float32))
+    grad = np.full(shape, -3e38, np.float32)  # 3e38 - (-3e38) overflows in every block
+    seen = []
+
+    def handler(message, category, filename, lineno, file=None, line=None):
+        seen.append(var.value())  # re-entered from inside the update: a copy, which never changes
+        seen.append(seen[-1].copy())
+
+    monkeypatch.setattr(warnings, "showwarning", handler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", RuntimeWarning)
+        if how == "optimizer":
+            SGD(1.0).apply_gradients([(grad, var)])
+            assert kernel_calls == [("sgd", shape)]
+        else:
+            var.assign_sub(grad)
+    assert len(seen) >= 2
+    for snapshot, copy in zip(seen[::2], seen[1::2]):
+        np.testing.assert_array_equal(snapshot, copy)
+        assert not snapshot.flags.writeable
+    assert np.all(np.isinf(var.numpy()))
+    assert _free_for_other_threads(var)
+
+
+def test_central_storage_updates_its_one_copy_in_place(kernel_calls):
+    shape = (2 * STEP32 + 3,)
+    strategy = ms.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        var = ms.Variable(np.arange(shape[0], dtype=np.float32))
+        opt = Adam(0.0123)
+    grad = np.linspace(-1, 1, shape[0]).astype(np.float32)
+    strategy.run(lambda: opt.apply_gradients([(grad, var)]))
+    assert kernel_calls == [("adam", shape)]
+    reference = ms.Variable(np.arange(shape[0], dtype=np.float32))
+    held = reference.value()  # the assigning path
+    Adam(0.0123).apply_gradients([(2 * grad, reference)])  # the replicas' gradients summed
+    del held
+    assert _same(var.numpy(), reference.numpy())
 
 
 def test_a_snapshot_read_during_updates_never_changes():

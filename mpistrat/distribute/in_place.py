@@ -8,14 +8,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["errors_may_raise", "run", "sole_owner", "writable"]
+__all__ = ["errors_may_raise", "run"]
 
 # References to a variable's array when only the variable holds it: its attribute and getrefcount's argument.
 _SOLE_OWNER_REFS = 2
 _QUIET = frozenset({"ignore", "warn", "print"})  # NumPy error modes that never raise (unless warnings do)
 
 
-def sole_owner(variable: Any) -> bool:
+def _sole_owner(variable: Any) -> bool:
     """Whether nothing outside ``variable`` (a ``Variable``) refers to its array: no snapshot from
     ``value()``, no view of it (a view holds its base), no buffer export. ``value()`` promises a snapshot
     that later updates leave alone, so only then may an update write into the array itself."""
@@ -43,7 +43,7 @@ def errors_may_raise() -> bool:
     return False
 
 
-def writable(arrays: Sequence[np.ndarray]) -> bool:
+def _writable(arrays: Sequence[np.ndarray]) -> bool:
     """Make the variables' read-only ``arrays`` writable; False (every one left read-only) when one is
     not its own memory. The caller makes them read-only again."""
     done = []
@@ -61,10 +61,11 @@ def writable(arrays: Sequence[np.ndarray]) -> bool:
 def run(variables: Sequence[Any], check: Callable[[list[np.ndarray]], bool], kernel: Callable[..., None],
         *args: Any) -> bool:
     """``kernel(*arrays, *args)`` on the arrays of ``variables``' copies being written here
-    (``_in_place_owner``), writable meanwhile and locked against other updates and reads of them
-    (``Variable.value``), when every one may be written in place (each its own copy, held by nobody
-    else, no floating-point error can raise) and ``check(arrays)`` holds; whether it ran (if not,
-    nothing changed: assign instead)."""
+    (``_in_place_owner``), writable meanwhile and locked against other threads' updates and reads of
+    them (``Variable.value``; a read from this thread meanwhile, a warning or signal handler's, gets a
+    copy), when every one may be written in place (each its own copy, held by nobody else, no
+    floating-point error can raise) and ``check(arrays)`` holds; whether it ran (if not, nothing
+    changed: assign instead). The locks are re-entrant: the caller may hold them already."""
     owners: list[Any] = []
     for variable in variables:
         owner = variable._in_place_owner()
@@ -79,15 +80,18 @@ def run(variables: Sequence[Any], check: Callable[[list[np.ndarray]], bool], ker
             owner._update_lock.acquire()
             locked.append(owner._update_lock)
         for owner in owners:
-            if not sole_owner(owner):
+            if not _sole_owner(owner):
                 return False
         arrays = [owner._array for owner in owners]
-        if not check(arrays) or not writable(arrays):
+        if not check(arrays) or not _writable(arrays):
             return False
+        for owner in owners:
+            owner._writing = True
         try:
             kernel(*arrays, *args)
         finally:
-            for array in arrays:
+            for owner, array in zip(owners, arrays):
+                owner._writing = False
                 array.flags.writeable = False
         return True
     finally:

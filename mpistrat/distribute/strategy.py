@@ -450,8 +450,8 @@ class StrategyExtended:
         step, in cross-replica context).
 
         Where every variable is a distributed variable with one copy per local replica, the updates are
-        :meth:`update`'s, in its order (every copy of one variable, then the next: a failing update
-        leaves each variable's copies equal), without its per-call checks and with each copy's frame
+        :meth:`update`'s, in its order (every copy of one variable, then the next: when an update fails,
+        every variable before it is updated on every copy), without its per-call checks and with each copy's frame
         made once; with one local copy its frame is entered once for all. Anything else goes through
         :meth:`update` one variable at a time (a strategy's own ``update`` included).
         """

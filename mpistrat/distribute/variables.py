@@ -148,7 +148,7 @@ class BaseVariable(_Operators):
         return value
 
     def _in_place_owner(self) -> "Variable | None":
-        """The plain variable whose own host array an update here may write into (``in_place.writing``), or
+        """The plain variable whose own host array an update here may write into (``in_place.run``), or
         None: this one keeps no such array (it is updated by assignment)."""
         return None
 
@@ -322,7 +322,8 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         self._device = dev.canonicalize(device)
         self._on_gpu = dev.is_gpu(self._device)
         self._array = _frozen(_array if _array is not None else _initial_array(initial_value, dtype, self._device))
-        self._update_lock = threading.Lock()
+        self._update_lock = threading.RLock()  # re-entrant: a warning or signal handler may read it mid-update
+        self._writing = False  # an update is writing into the array itself (in_place.run)
         self._name = name if name is not None else f"Variable_{next(_names)}"
         self._trainable = trainable
         self._synchronization = sync
@@ -358,13 +359,15 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
 
     def value(self) -> Any:
         """The current array: a snapshot (later assignments replace, not modify, it), read-only for NumPy."""
-        with self._update_lock:  # not while an update writes in place: one that sees this reference copies
+        with self._update_lock:  # not while another thread's update writes in place
+            if self._writing:  # read from inside that update (a warning or signal handler): a copy
+                return _frozen(self._array.copy())
             return self._array
 
     def __deepcopy__(self, memo: dict) -> "Variable":
         """A new variable with this one's value, name, settings and strategy, on the same device (as TF)."""
         with dev.device_scope(self._device) if self._on_gpu else _NO_SCOPE:
-            array = self._array.copy()
+            array = self.value().copy()
         copied = Variable(trainable=self._trainable, name=self._name, synchronization=self._synchronization,
                           aggregation=self._aggregation, constraint=self._constraint, _device=self._device,
                           _array=array)
@@ -401,29 +404,31 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         return self
 
     def _update_in_place(self, method: str, delta: Any) -> bool:
-        """Add or subtract ``delta`` into the NumPy array itself (the caller holds the update lock); False if
-        not done.
-
-        Only where ``in_place.writing`` would allow it (nobody else sees the array, no floating-point error
-        can raise halfway), and only when the result has the variable's own dtype and shape, so the outcome
-        is bitwise that of the copying path. This saves an allocation (and its page faults) per update.
-        """
+        """Add or subtract ``delta`` into the NumPy array itself where ``in_place.run`` allows it, and only
+        when the result has the variable's own dtype and shape, so the outcome is bitwise that of the
+        copying path; False if not done. This saves an allocation (and its page faults) per update."""
         if (type(delta) is not np.ndarray or delta.dtype != self._array.dtype
-                or (delta.shape != self._array.shape and delta.ndim != 0)
-                or not in_place.sole_owner(self) or in_place.errors_may_raise()):
+                or (delta.shape != self._array.shape and delta.ndim != 0)):
             return False
-        array = self._array
-        if not in_place.writable((array,)):
-            return False
-        try:
-            (np.add if method == "assign_add" else np.subtract)(array, delta, out=array)
-        finally:
-            array.flags.writeable = False
-        return True
+        return in_place.run((self,), _any_arrays, _add_into if method == "assign_add" else _subtract_from, delta)
 
     def _in_place_owner(self) -> "Variable | None":
         """This variable, when its array is NumPy's (see ``BaseVariable._in_place_owner``)."""
         return None if self._on_gpu else self
+
+
+def _any_arrays(arrays: list) -> bool:
+    """``_update_in_place``'s check: it checked its operand itself."""
+    return True
+
+
+def _add_into(array: np.ndarray, delta: np.ndarray) -> None:
+    np.add(array, delta, out=array)
+
+
+def _subtract_from(array: np.ndarray, delta: np.ndarray) -> None:
+    np.subtract(array, delta, out=array)
+
 
 
 class DistributedVariable(BaseVariable, DistributedValues):

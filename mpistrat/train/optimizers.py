@@ -7,13 +7,12 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from mpistrat.distribute import context
 from mpistrat import devices as dev
 from mpistrat.arrays import NATIVE_NUMERIC, as_array
-from mpistrat.train import kernels
+from mpistrat.distribute import context, in_place
 from mpistrat.distribute.values import DistributedValues, ReduceOp
-from mpistrat.distribute import in_place
 from mpistrat.distribute.variables import BaseVariable, Variable
+from mpistrat.train import kernels
 
 __all__ = ["Optimizer", "SGD", "Adam", "get"]
 
@@ -49,7 +48,9 @@ def _in_place(kernel: Callable[..., None], variables: tuple, grad: Any, *coeffic
     block, where they may be written in place (``in_place.run``) and the kernel gives the bits of the same
     rule assigned (``kernels.applies``), for gradients longer than a block (``kernels.worth``); whether it
     ran (if not, nothing changed: assign instead)."""
-    return kernels.worth(grad) and in_place.run(variables, lambda arrays: kernels.applies(arrays, grad, coefficients), kernel, grad,
+    if not kernels.worth(grad):
+        return False
+    return in_place.run(variables, lambda arrays: kernels.applies(arrays, grad, coefficients), kernel, grad,
                         *coefficients)
 
 
