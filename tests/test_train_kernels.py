@@ -256,6 +256,22 @@ def test_a_floating_point_error_that_raises_leaves_every_array_as_it_was(rule, k
     assert kernel_calls == []
 
 
+@pytest.mark.parametrize("rule, lr", [("nesterov", 2.5e34), ("adam", 3e38)])
+def test_an_error_in_the_step_of_a_short_variable_leaves_its_slots(rule, lr, kernel_calls):
+    make, slot_names = RULES[rule]
+    var = ms.Variable(np.zeros(8, np.float32))
+    opt = make()
+    opt.apply_gradients([(np.ones(8, np.float32), var)])
+    before = [x.numpy() for x in (var, *[opt.get_slot(var, s) for s in slot_names])]
+    opt.learning_rate = lr  # the step overflows; the slots' new values do not
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        opt.apply_gradients([(np.full(8, 1e4, np.float32), var)])
+    after = [x.numpy() for x in (var, *[opt.get_slot(var, s) for s in slot_names])]
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+    assert kernel_calls == []  # one block: the NumPy expressions
+
+
 def test_a_warnings_filter_that_raises_keeps_updates_assigning(kernel_calls):
     var = ms.Variable(np.ones(4, np.float32))
     with warnings.catch_warnings():
