@@ -222,7 +222,7 @@ class SGD(Optimizer):
         if _in_place(kernels.nesterov if self.nesterov else kernels.momentum, (var, velocity), grad, lr,
                      self.momentum):
             return
-        # Every new value before any assignment: an error (np.seterr "raise") then leaves all of them as they were.
+        # The new values before any assignment: an error computing them (np.seterr "raise") changes nothing.
         new_velocity = self.momentum * velocity.value() - lr * grad
         step = self.momentum * new_velocity - lr * grad if self.nesterov else new_velocity
         velocity.assign(new_velocity)
@@ -261,7 +261,7 @@ class Adam(Optimizer):
         xp = dev.array_module(var.device)
         new_m = self.beta_1 * m.value() + (1 - self.beta_1) * grad
         new_v = self.beta_2 * v.value() + (1 - self.beta_2) * (grad * grad)
-        step = coefficients["lr"] * new_m / (xp.sqrt(new_v) + self.epsilon)  # before any assignment (SGD's)
+        step = coefficients["lr"] * new_m / (xp.sqrt(new_v) + self.epsilon)  # before any assignment, as SGD
         m.assign(new_m)
         v.assign(new_v)
         var.assign_sub(step)
