@@ -430,7 +430,6 @@ def _subtract_from(array: np.ndarray, delta: np.ndarray) -> None:
     np.subtract(array, delta, out=array)
 
 
-
 class DistributedVariable(BaseVariable, DistributedValues):
     """A variable with one copy per local replica device.
 

@@ -45,18 +45,13 @@ def applies(arrays: Sequence[np.ndarray], grad: object, coefficients: Sequence[o
 
 
 def _blocks(arrays: Sequence[np.ndarray], scratch: int) -> Iterator[list[np.ndarray]]:
-    """Per block: that block of each array, then ``scratch`` blocks of their dtype (the arrays themselves
-    and scratch arrays of their shape when they fit in one block)."""
+    """Per block: that block of each array (flat), then ``scratch`` blocks of their dtype."""
     for array in arrays:
         if not array.flags.c_contiguous:  # reshape would copy, and the rule would write into the copy
             raise ValueError("update kernels need C-contiguous arrays")
-    first = arrays[0]
-    n, dtype = first.size, first.dtype
-    step = max(1, BLOCK_BYTES // dtype.itemsize)
-    if n <= step:
-        yield [*arrays, *[np.empty(first.shape, dtype) for _ in range(scratch)]]
-        return
     flat = [array.reshape(-1) for array in arrays]
+    n, dtype = flat[0].shape[0], flat[0].dtype
+    step = max(1, min(n, BLOCK_BYTES // dtype.itemsize))
     tmp = [np.empty(step, dtype) for _ in range(scratch)]
     for start in range(0, n, step):
         end = min(start + step, n)
