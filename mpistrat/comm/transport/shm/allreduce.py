@@ -31,9 +31,10 @@ __all__ = [
     "ShmTransport",
     "COMPLEX_DTYPES",
     "DIRECT_MAX_BYTES",
-    "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
+    "DIRECT_MAX_BYTES_FEW",
     "MIN_BYTES",
     "SUPPORTED_DTYPES",
+    "one_sync_max_bytes",
 ]
 
 SUPPORTED_DTYPES = frozenset(
@@ -52,10 +53,26 @@ _INITIAL = 1 << 20
 # On one node, buckets up to this size take one synchronisation (every rank sums every segment);
 # above it the reduce-scatter (two synchronisations, 1/n of the additions each).
 DIRECT_MAX_BYTES = 64 << 10
-# Where ranks outnumber cores a synchronisation costs more than the additions it saves: larger.
-DIRECT_MAX_BYTES_OVERSUBSCRIBED = 256 << 10
+# The same where a node has two ranks, or more ranks than cores (one_sync_max_bytes).
+DIRECT_MAX_BYTES_FEW = 256 << 10
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
+
+
+def one_sync_max_bytes(topology: Topology) -> int:
+    """The largest bucket a node reduces with one synchronisation, every rank summing every segment.
+
+    A rule on counts, the same on every rank of the node. Where the ranks outnumber the cores, a
+    synchronisation costs a scheduler hand-over, more than the additions the reduce-scatter saves.
+    With two ranks on the node, reading the other rank's whole segment moves as many bytes between
+    the cores as the reduce-scatter does (the peer's slice copied in and read there, this rank's
+    result pushed out), so the reduce-scatter saves only half the additions, which up to 256 KiB cost
+    less than its second synchronisation (benchmarks/README.md, "Two ranks, one synchronisation").
+    Both paths sum in local-rank order: the limit changes no bits.
+    """
+    if topology.oversubscribed or topology.layout.local_size == 2:
+        return DIRECT_MAX_BYTES_FEW
+    return DIRECT_MAX_BYTES
 
 
 def _close_at_exit(ref: "weakref.ref[ShmTransport]") -> None:
@@ -161,8 +178,7 @@ class ShmTransport(Transport):
         # Slice owners: local ranks [0, P) of every node, P the smallest node.
         self.owners = lay.comm.allreduce(lay.local_size, op=MPI.MIN)
         self.waiter = self.topology.waiter
-        oversubscribed = self.topology.oversubscribed
-        direct = DIRECT_MAX_BYTES_OVERSUBSCRIBED if oversubscribed else DIRECT_MAX_BYTES
+        direct = one_sync_max_bytes(self.topology)
         pushes = lay.num_nodes == 1 and lay.local_size > 1  # owners push results into every segment
         self._pushes = pushes
         self.direct_max_bytes = direct if pushes else -1

@@ -14,9 +14,8 @@ from mpistrat.comm.runtime.topology import Topology
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, RepeatTransport, TransportContext
 from mpistrat.comm.transport.shm.allreduce import (
     COMPLEX_DTYPES,
-    DIRECT_MAX_BYTES,
-    DIRECT_MAX_BYTES_OVERSUBSCRIBED,
     SUPPORTED_DTYPES,
+    one_sync_max_bytes,
 )
 
 __all__ = ["SmallShmTransport"]
@@ -42,8 +41,7 @@ class SmallShmTransport(RepeatTransport):
     transport's threshold is its rule (``MPISTRAT_SHM_MIN_BYTES=auto`` on every
     rank) and every rank of the communicator shares one node. It takes the buckets
     the window transport would reduce with one synchronisation (up to
-    :data:`~mpistrat.comm.transport.shm.allreduce.DIRECT_MAX_BYTES`, or
-    ``DIRECT_MAX_BYTES_OVERSUBSCRIBED`` where the ranks outnumber the cores), and
+    :func:`~mpistrat.comm.transport.shm.allreduce.one_sync_max_bytes`), and
     those below that transport's threshold that MPI took before. Both limits are
     rules, never measurements (they decide the order in which values are summed),
     and the order is the window's: the same bits on either side of the limit.
@@ -57,7 +55,7 @@ class SmallShmTransport(RepeatTransport):
         if layout.num_nodes != 1 or layout.local_size < 2:
             raise ValueError("SmallShmTransport: every rank of the communicator must share one node, two or more")
         if max_bytes is None:
-            max_bytes = DIRECT_MAX_BYTES_OVERSUBSCRIBED if topology.oversubscribed else DIRECT_MAX_BYTES
+            max_bytes = one_sync_max_bytes(topology)
         self.max_bytes = max_bytes
         self._node = layout.node_comm
         self._rank = layout.local_rank
@@ -89,8 +87,7 @@ class SmallShmTransport(RepeatTransport):
         agreed = ctx.comm.allgather((wanted, ctx.settings.shm_max_bytes))
         if not all(w for w, _ in agreed):
             return None
-        one_sync = DIRECT_MAX_BYTES_OVERSUBSCRIBED if ctx.topology.oversubscribed else DIRECT_MAX_BYTES
-        return cls(ctx.topology, min(one_sync, min(m for _, m in agreed)), ctx.timeout)
+        return cls(ctx.topology, min(one_sync_max_bytes(ctx.topology), min(m for _, m in agreed)), ctx.timeout)
 
     def describe(self) -> dict[str, Any]:
         """The name and the largest bucket."""
