@@ -72,6 +72,33 @@ def test_min_max_and_a_non_contiguous_input_on_the_lean_path(strategy, comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_each_rank_sums_its_own_term_from_its_source_or_in_place_from_its_slot(strategy, comm, lane_mode):
+    # A rank reads its own term from its source instead of its slot (the same bytes), except where the
+    # source overlaps the result: the first sum overwrites it before a rank after the first two reads its
+    # term. Called in place on a plan's lane (compiled) or its transport (Python), every rank must still
+    # get the rank-order sum, bit for bit.
+    rng = np.random.default_rng(7 + comm.rank)
+    x = (rng.standard_normal(3000) * 10.0 ** rng.integers(-6, 6, 3000)).astype(np.float32)
+    every = comm.allgather(x)
+    expected = every[0] + every[1]
+    for y in every[2:]:
+        expected = expected + y
+    out = run_all_reduce(strategy, "sum", x)  # makes the plan; the source and a new result
+    assert out.tobytes() == expected.tobytes() and np.array_equal(x, every[comm.rank])
+    plan = _plan(strategy, x)
+    for _ in range(2):
+        y = x.copy()
+        plan.folded.pending = True  # what the communicator sets before either
+        if plan.lane is not None:
+            assert plan.lane(y, y) is True
+        else:
+            plan.steps[0].transport.allreduce_prepared(plan.prepared, y, y, plan.folded.staged)
+        assert y.tobytes() == expected.tobytes(), lane_mode
+    again = run_all_reduce(strategy, "sum", x)  # the strategy's path after both
+    assert again.tobytes() == expected.tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_mismatch_against_a_repeated_call_raises_on_every_rank_and_leaves_the_strategy_usable(strategy, comm):
     x = np.ones(300, np.float32)
     for _ in range(3):

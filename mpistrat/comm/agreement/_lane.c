@@ -11,7 +11,8 @@
  *   table:    address of the check's int64 table (ShmAllgather's)
  *   mine:     item index of this rank's line for this round's parity (round word; h, aux, deadline after)
  *   lines:    bytes, int64 item index of every rank's line for this parity, in rank order
- *   src, dst: C-contiguous buffers of the call's bytes (dst writable)
+ *   src, dst: C-contiguous buffers of the call's bytes (dst writable, aliasing no slot); this rank's
+ *             term of the sums is read from src where src and dst do not overlap
  *   slot:     address of this rank's slot; slots: bytes, uint64 address of every rank's slot, rank order
  *   kind:     KIND_* below (dtype and op); capacity: the bytes a slot holds
  * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls and then
@@ -59,20 +60,23 @@ static int64_t now_ms(void) { /* int(time.time() * 1000), computed as Python doe
 }
 
 /* The sums in local-rank order, ((s0 + s1) + s2) + ..., each element as NumPy's ufunc computes it
- * (IEEE adds for floats; integers wrap, done unsigned). */
+ * (IEEE adds for floats; integers wrap, done unsigned). Rank ``me``'s term is read from ``own``, its
+ * source (the bytes it copied into its slot, which the peers read meanwhile), unless ``me`` is -1. */
+#define TERM(T, j) ((j) == me ? (const T *)own : (const T *)(uintptr_t)slots[j])
 #define REDUCE(T, COMBINE)                                                                           \
     do {                                                                                             \
-        T *restrict d = (T *)dst; /* a private result: it aliases no slot, so the loops vectorize */  \
-        const T *a = (const T *)(uintptr_t)slots[0], *b = (const T *)(uintptr_t)slots[1];            \
+        T *restrict d = (T *)dst; /* a private result: it aliases no slot or own, so loops vectorize */\
+        const T *a = TERM(T, 0), *b = TERM(T, 1);                                                    \
         for (Py_ssize_t k = 0; k < count; k++) { T x = a[k], y = b[k]; d[k] = COMBINE; }            \
         for (Py_ssize_t j = 2; j < n; j++) {                                                         \
-            const T *s = (const T *)(uintptr_t)slots[j];                                             \
+            const T *s = TERM(T, j);                                                                 \
             for (Py_ssize_t k = 0; k < count; k++) { T x = d[k], y = s[k]; d[k] = COMBINE; }        \
         }                                                                                            \
     } while (0)
 #define ADD_WRAP(T, U) (T)((U)x + (U)y)
 
-static void reduce(int kind, void *dst, const uint64_t *slots, Py_ssize_t n, Py_ssize_t nbytes) {
+static void reduce(int kind, void *dst, const uint64_t *slots, Py_ssize_t n, Py_ssize_t nbytes, Py_ssize_t me,
+                   const void *own) {
     Py_ssize_t count;
     switch (kind) {
     case KIND_SUM_F32: count = nbytes / 4; REDUCE(float, x + y); break;
@@ -172,8 +176,17 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_ssize_t at = lines[i];
         common = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
     }
-    if (common)
-        reduce((int)kind, dst.buf, slots, n, dst.len);
+    if (common) {
+        /* Read this rank's term from src, not from its slot, unless src and dst overlap (in place: the
+         * sums overwrite dst before a later term is read). The same bytes, so the same bits. */
+        Py_ssize_t me = -1;
+        const char *s0 = (const char *)src.buf, *d0 = (const char *)dst.buf;
+        if (s0 + src.len <= d0 || d0 + dst.len <= s0)
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (slots[i] == (uint64_t)(uintptr_t)slot)
+                    me = i;
+        reduce((int)kind, dst.buf, slots, n, dst.len, me, src.buf);
+    }
     result = common ? Py_True : Py_False;
     Py_INCREF(result);
 done:

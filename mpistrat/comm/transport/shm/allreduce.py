@@ -304,8 +304,11 @@ class ShmTransport(Transport):
             np.copyto(out, reduced)
         return out  # else the owners wrote the result into out
 
-    def _sum_all(self, count: int, dtype: np.dtype, ufunc: np.ufunc, out: np.ndarray, synced: bool) -> None:
-        """The one-synchronisation reduce: every rank sums every segment into ``out``."""
+    def _sum_all(self, count: int, dtype: np.dtype, ufunc: np.ufunc, out: np.ndarray, synced: bool,
+                 own: np.ndarray | None = None) -> None:
+        """The one-synchronisation reduce: every rank sums every segment into ``out``. ``own``: what this
+        rank copied into its segment, read instead of it (the peers read the segment meanwhile) unless
+        it overlaps ``out``."""
         if count == 0:
             return
         segments = self._segments.get((count, dtype))
@@ -316,6 +319,9 @@ class ShmTransport(Transport):
         if not synced:
             self._sync.wait()
         views = segments[self._bucket]
+        if own is not None and not np.may_share_memory(own, out):  # in place, out would overwrite own first
+            lr = self._local_rank()
+            views = views[:lr] + [own] + views[lr + 1 :]  # the same bytes: the same bits
         ufunc(views[0], views[1], out=out)  # local-rank order, the reduce-scatter's: the same bits
         for view in views[2:]:
             ufunc(out, view, out=out)
@@ -484,7 +490,7 @@ class ShmTransport(Transport):
         if count * dtype.itemsize <= self.direct_max_bytes:
             np.copyto(buf, source)
             ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
-            self._sum_all(count, dtype, ufunc, out, self._staged(hook))
+            self._sum_all(count, dtype, ufunc, out, self._staged(hook), source)
             return
         lo, hi = self._own_slice(count, dtype.itemsize)
         np.copyto(buf[:lo], source[:lo])
