@@ -144,9 +144,9 @@ def test_every_start_up_outcome_gives_the_same_bits(comm, defaults, references, 
 def test_both_answers_of_the_core_count_give_the_same_bits(comm, defaults, references, outnumbered):
     """Whether the ranks outnumber their cores (the launcher's affinity, found at start-up) moves the
     small-bucket transport's limit and the window's one-synchronisation size (256 KiB where they outnumber
-    the cores, else 512 KiB where two share the node, 64 KiB where more do), never the window's threshold,
-    and never the order: the AUTO row built from either answer gives the same bits. Each
-    bucket goes to the first transport of the row that takes it, as the planner gives it."""
+    the cores or two share the node, else 64 KiB), never the window's threshold, and never the order: the
+    AUTO row built from either answer gives the same bits. Each bucket goes to the first transport of the
+    row that takes it, as the planner gives it."""
     split = topology(comm)
     forced = dataclasses.replace(split, oversubscribed=outnumbered)
     dup = comm.Dup()
@@ -156,7 +156,7 @@ def test_both_answers_of_the_core_count_give_the_same_bits(comm, defaults, refer
         assert [t.name for t in transports] == ["shm-small", "shm", "mpi"]
         window = transports[1]
         assert window.min_bytes == shm_allreduce.MIN_BYTES
-        want_direct = 256 << 10 if outnumbered else 512 << 10 if forced.layout.local_size == 2 else 64 << 10
+        want_direct = 256 << 10 if outnumbered or forced.layout.local_size == 2 else 64 << 10
         assert transports[0].max_bytes == window.direct_max_bytes == want_direct
         for x, want in zip(_inputs(comm.rank), references):
             chosen = next(t for t in transports if t.enabled(x.nbytes, x.dtype, "sum"))

@@ -22,10 +22,10 @@ from mpistrat.comm.transport.shm.allreduce import ShmTransport
 from mpistrat.comm.transport.shm.results import MAX_BYTES, PRIVATE, SLOTS, ResultBlocks
 
 OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
-# Above the one-synchronisation limit (512 KiB where a node has two ranks, 256 KiB where ranks
-# outnumber cores): the reduce-scatter pushes. The second goes in 1 MiB chunks: of int64, the last
-# one of 4000 bytes (one synchronisation); of float32, the last one of 514 KB (one at 2 ranks).
-COUNTS = [140_003, 3 * 131_072 + 500]
+# Above the one-synchronisation limit (256 KiB when ranks outnumber cores): the reduce-scatter
+# pushes. The second goes in 1 MiB chunks: of int64, the last one of 4000 bytes (one
+# synchronisation); of float32, the last one of 514 KB.
+COUNTS = [100_003, 3 * 131_072 + 500]
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_sizes_beyond_the_budget_get_private_results(comm, monkeypatch):
     monkeypatch.setenv("MPISTRAT_SHM_MAX_BYTES", "1M")  # budget SLOTS x 1 MiB per rank
     with RankCommunicator(comm) as rc:
         shm = _shm(rc)
-        first, second = 240_000, 140_000  # float32: 960 KB fits the budget, then 560 KB no longer
+        first, second = 200_000, 100_000  # float32: 800 KB fits the budget, then 400 KB no longer
         for count in (first, second, first, second):
             x = _data(count, "float32", comm.rank, count)
             rc.allreduce([x], "sum")
@@ -240,7 +240,7 @@ def test_fused_results_right_whichever_blocks_each_rank_publishes(comm, monkeypa
     held one, stays what it was."""
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "0")
     monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
-    count = 100_003  # int64: 800 KB each, fused (below plan.UNFUSED_MIN_BYTES), 1.6 MB together
+    count = COUNTS[0]
     with RankCommunicator(comm, CommunicationOptions(bytes_per_pack=16 << 20)) as rc:
         blocks = _shm(rc).result_blocks
         kept, kinds = [], set()

@@ -31,8 +31,7 @@ __all__ = [
     "ShmTransport",
     "COMPLEX_DTYPES",
     "DIRECT_MAX_BYTES",
-    "DIRECT_MAX_BYTES_OVERSUBSCRIBED",
-    "DIRECT_MAX_BYTES_PAIR",
+    "DIRECT_MAX_BYTES_FEW",
     "MIN_BYTES",
     "SUPPORTED_DTYPES",
     "one_sync_max_bytes",
@@ -54,9 +53,8 @@ _INITIAL = 1 << 20
 # On one node, buckets up to this size take one synchronisation (every rank sums every segment);
 # above it the reduce-scatter (two synchronisations, 1/n of the additions each).
 DIRECT_MAX_BYTES = 64 << 10
-# Larger where ranks outnumber cores, and where a node has two ranks (one_sync_max_bytes).
-DIRECT_MAX_BYTES_OVERSUBSCRIBED = 256 << 10
-DIRECT_MAX_BYTES_PAIR = 512 << 10
+# Larger where ranks outnumber cores, or where a node has two ranks (one_sync_max_bytes).
+DIRECT_MAX_BYTES_FEW = 256 << 10
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
 
@@ -68,13 +66,14 @@ def one_sync_max_bytes(topology: Topology) -> int:
     synchronisation costs a scheduler hand-over, more than the additions the reduce-scatter saves.
     With two ranks on the node, reading the other rank's whole segment moves as many bytes between
     the cores as the reduce-scatter does (the peer's slice copied in and read there, this rank's
-    result pushed out), so the reduce-scatter saves only half the additions, which up to 512 KiB cost
-    less than its second synchronisation (benchmarks/README.md, "Two ranks, one synchronisation").
-    Both paths sum in local-rank order: the limit changes no bits.
+    result pushed out), so the reduce-scatter saves only half the additions, which up to 256 KiB cost
+    less than its second synchronisation (benchmarks/README.md, "Two ranks, one synchronisation": single
+    arrays gained up to 512 KiB, packed buckets lost above 256 KiB). Both paths sum in local-rank order:
+    the limit changes no bits.
     """
-    if topology.oversubscribed:
-        return DIRECT_MAX_BYTES_OVERSUBSCRIBED
-    return DIRECT_MAX_BYTES_PAIR if topology.layout.local_size == 2 else DIRECT_MAX_BYTES
+    if topology.oversubscribed or topology.layout.local_size == 2:
+        return DIRECT_MAX_BYTES_FEW
+    return DIRECT_MAX_BYTES
 
 
 def _close_at_exit(ref: "weakref.ref[ShmTransport]") -> None:
