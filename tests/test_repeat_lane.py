@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -73,10 +74,10 @@ def test_min_max_and_a_non_contiguous_input_on_the_lean_path(strategy, comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_each_rank_sums_its_own_term_from_its_source_or_in_place_from_its_slot(strategy, comm, lane_mode):
-    # A rank reads its own term from its source instead of its slot (the same bytes), except where the
-    # source overlaps the result: the first sum overwrites it before a rank after the first two reads its
-    # term. Called in place on a plan's lane (compiled) or its transport (Python), every rank must still
-    # get the rank-order sum, bit for bit.
+    # The compiled lane reads this rank's term from its source instead of its slot (the same bytes), but not
+    # where the source overlaps the result: the first sum overwrites it before a rank after the first two
+    # reads its term. Called in place on a plan's lane (compiled) or its transport (Python), every rank
+    # must still get the rank-order sum, bit for bit.
     rng = np.random.default_rng(7 + comm.rank)
     x = (rng.standard_normal(3000) * 10.0 ** rng.integers(-6, 6, 3000)).astype(np.float32)
     every = comm.allgather(x)
@@ -96,6 +97,41 @@ def test_each_rank_sums_its_own_term_from_its_source_or_in_place_from_its_slot(s
         assert y.tobytes() == expected.tobytes(), lane_mode
     again = run_all_reduce(strategy, "sum", x)  # the strategy's path after both
     assert again.tobytes() == expected.tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_source_written_while_the_lane_yields_still_gives_every_rank_the_same_result(strategy, comm, lane_mode):
+    # Rank 0's lane copies its source into its slot, then yields the GIL while rank 1 is late; a thread of
+    # rank 0 writes the source meanwhile (a race in the program, as writing an MPI send buffer during the
+    # call is). The peers sum the slot's bytes: so must rank 0, or the ranks' results differ.
+    x = np.full(3000, float(comm.rank + 1), np.float32)
+    run_all_reduce(strategy, "sum", x)  # makes the plan (and the lane)
+    stop = threading.Event()
+
+    def write() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            x[:] = k  # a new value each time this thread gets the GIL
+
+    writer = threading.Thread(target=write, daemon=True) if comm.rank == 0 else None
+    results = []
+    try:
+        if writer is not None:
+            writer.start()
+        for _ in range(30):
+            comm.Barrier()
+            if comm.rank == 1:
+                time.sleep(0.0003)  # late by less than the lane's 1 ms of yields
+            results.append(run_all_reduce(strategy, "sum", x).copy())
+    finally:
+        stop.set()
+        if writer is not None:
+            writer.join()
+    every = comm.allgather(results)
+    for call in range(30):
+        assert all(r[call].tobytes() == every[0][call].tobytes() for r in every), (lane_mode, call)
 
 
 @pytest.mark.mpi(min_size=2)

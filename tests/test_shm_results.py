@@ -22,7 +22,7 @@ from mpistrat.comm.transport.shm.allreduce import ShmTransport
 from mpistrat.comm.transport.shm.results import MAX_BYTES, PRIVATE, SLOTS, ResultBlocks
 
 OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
-# Above the one-synchronisation limit (256 KiB when ranks outnumber cores): the reduce-scatter
+# Above the one-synchronisation limit (256 KiB where ranks outnumber cores or a node has two): the reduce-scatter
 # pushes. The second goes in 1 MiB chunks: of int64, the last one of 4000 bytes (one
 # synchronisation); of float32, the last one of 514 KB.
 COUNTS = [100_003, 3 * 131_072 + 500]

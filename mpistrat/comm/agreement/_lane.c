@@ -12,7 +12,8 @@
  *   mine:     item index of this rank's line for this round's parity (round word; h, aux, deadline after)
  *   lines:    bytes, int64 item index of every rank's line for this parity, in rank order
  *   src, dst: C-contiguous buffers of the call's bytes (dst writable, aliasing no slot); this rank's
- *             term of the sums is read from src where src and dst do not overlap
+ *             term of the sums is read from src where src and dst do not overlap and the GIL was held
+ *             from the copy to the sums
  *   slot:     address of this rank's slot; slots: bytes, uint64 address of every rank's slot, rank order
  *   kind:     KIND_* below (dtype and op); capacity: the bytes a slot holds
  * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls and then
@@ -144,7 +145,9 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (table[lines[r]] != round)
             break;
     }
+    int held = 1; /* the GIL, from the copy to the sums: no Python thread can have written src since */
     if (r < n) {
+        held = 0;
         /* Then yield the core for up to YIELD_NS, as the guard's waiter would next (a peer that shares
          * this core runs meanwhile); the GIL is released as os.sched_yield releases it. Past that, the
          * guard waits with its timeouts, stall reports and queries. */
@@ -177,11 +180,13 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         common = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
     }
     if (common) {
-        /* Read this rank's term from src, not from its slot, unless src and dst overlap (in place: the
-         * sums overwrite dst before a later term is read). The same bytes, so the same bits. */
+        /* Read this rank's term from src, not from its slot (cheaper: the peers read the slot meanwhile),
+         * where it holds the bytes the peers read: the GIL was held since the copy (another Python thread
+         * could have written src while it was released), and src does not overlap dst (in place, the sums
+         * overwrite dst before a later term is read). The same bytes, so the same bits on every rank. */
         Py_ssize_t me = -1;
-        const char *s0 = (const char *)src.buf, *d0 = (const char *)dst.buf;
-        if (s0 + src.len <= d0 || d0 + dst.len <= s0)
+        uintptr_t s0 = (uintptr_t)src.buf, d0 = (uintptr_t)dst.buf;
+        if (held && (s0 + (uintptr_t)src.len <= d0 || d0 + (uintptr_t)dst.len <= s0))
             for (Py_ssize_t i = 0; i < n; i++)
                 if (slots[i] == (uint64_t)(uintptr_t)slot)
                     me = i;

@@ -134,5 +134,5 @@ class CompiledLane:
             if guard._open is opened or (out is False and not isinstance(exc, Exception)):
                 guard._interrupted(self._key, exc)
             raise
-        transport.finish_prepared(self._prepared, dst, self._check.verdict(values), src)
+        transport.finish_prepared(self._prepared, dst, self._check.verdict(values))
         return True

@@ -53,7 +53,7 @@ _INITIAL = 1 << 20
 # On one node, buckets up to this size take one synchronisation (every rank sums every segment);
 # above it the reduce-scatter (two synchronisations, 1/n of the additions each).
 DIRECT_MAX_BYTES = 64 << 10
-# Larger where ranks outnumber cores, or where a node has two ranks (one_sync_max_bytes).
+# Where a node has few ranks for its cores: more ranks than cores, or two (one_sync_max_bytes).
 DIRECT_MAX_BYTES_FEW = 256 << 10
 _ALIGN = 64  # slice boundaries on cache lines
 _PLAN_CACHE = 64  # reduce plans kept (one per bucket, dtype and count seen)
@@ -67,9 +67,8 @@ def one_sync_max_bytes(topology: Topology) -> int:
     With two ranks on the node, reading the other rank's whole segment moves as many bytes between
     the cores as the reduce-scatter does (the peer's slice copied in and read there, this rank's
     result pushed out), so the reduce-scatter saves only half the additions, which up to 256 KiB cost
-    less than its second synchronisation (benchmarks/README.md, "Two ranks, one synchronisation": single
-    arrays gained up to 512 KiB, packed buckets lost above 256 KiB). Both paths sum in local-rank order:
-    the limit changes no bits.
+    less than its second synchronisation (measured: benchmarks/README.md, "Two ranks, one
+    synchronisation"). Both paths sum in local-rank order: the limit changes no bits.
     """
     if topology.oversubscribed or topology.layout.local_size == 2:
         return DIRECT_MAX_BYTES_FEW
@@ -305,11 +304,8 @@ class ShmTransport(Transport):
             np.copyto(out, reduced)
         return out  # else the owners wrote the result into out
 
-    def _sum_all(self, count: int, dtype: np.dtype, ufunc: np.ufunc, out: np.ndarray, synced: bool,
-                 own: np.ndarray | None = None) -> None:
-        """The one-synchronisation reduce: every rank sums every segment into ``out``. ``own``: what this
-        rank copied into its segment, read instead of it (the peers read the segment meanwhile) unless
-        it overlaps ``out``."""
+    def _sum_all(self, count: int, dtype: np.dtype, ufunc: np.ufunc, out: np.ndarray, synced: bool) -> None:
+        """The one-synchronisation reduce: every rank sums every segment into ``out``."""
         if count == 0:
             return
         segments = self._segments.get((count, dtype))
@@ -320,9 +316,6 @@ class ShmTransport(Transport):
         if not synced:
             self._sync.wait()
         views = segments[self._bucket]
-        if own is not None and not np.may_share_memory(own, out):  # in place, out would overwrite own first
-            lr = self._local_rank()
-            views = views[:lr] + [own] + views[lr + 1 :]  # the same bytes: the same bits
         ufunc(views[0], views[1], out=out)  # local-rank order, the reduce-scatter's: the same bits
         for view in views[2:]:
             ufunc(out, view, out=out)
@@ -491,7 +484,7 @@ class ShmTransport(Transport):
         if count * dtype.itemsize <= self.direct_max_bytes:
             np.copyto(buf, source)
             ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
-            self._sum_all(count, dtype, ufunc, out, self._staged(hook), source)
+            self._sum_all(count, dtype, ufunc, out, self._staged(hook))
             return
         lo, hi = self._own_slice(count, dtype.itemsize)
         np.copyto(buf[:lo], source[:lo])

@@ -137,14 +137,13 @@ class SmallShmTransport(RepeatTransport):
         if src is not None:
             np.copyto(views[self.slot][0], src)
         self._win_sync()  # this rank's stores before the check's announcement
-        self.finish_prepared(prepared, dst, staged(), src)
+        self.finish_prepared(prepared, dst, staged())
 
-    def finish_prepared(self, prepared: tuple, dst: np.ndarray, synced: bool, own: np.ndarray | None = None) -> None:
+    def finish_prepared(self, prepared: tuple, dst: np.ndarray, synced: bool) -> None:
         """The rest of :meth:`allreduce_prepared` once the check passed (``synced``: whether it was every
         rank's synchronisation, :meth:`AgreementHook.staged`): the sums of every rank's slot into ``dst``,
         in local-rank order. Also the end of a call whose copy and check ran elsewhere (the compiled lane,
-        ``comm/agreement/lane.py``) but whose sums did not. ``own``: what this rank copied into its slot,
-        read instead of the slot (the peers read the slot meanwhile) unless it overlaps ``dst``."""
+        ``comm/agreement/lane.py``) but whose sums did not."""
         views, ufunc = prepared
         if views[3]:  # no items: the same count on every rank, so no rank synchronises
             return
@@ -154,8 +153,6 @@ class SmallShmTransport(RepeatTransport):
             assert self._sync is not None
             self._sync.wait()
         slots = views[self.slot][1]
-        if own is not None and not np.may_share_memory(own, dst):  # in place, dst would overwrite own first
-            slots = slots[: self._rank] + [own] + slots[self._rank + 1 :]  # the same bytes: the same bits
         ufunc(slots[0], slots[1], out=dst)
         if len(slots) > 2:
             for slot in slots[2:]:
