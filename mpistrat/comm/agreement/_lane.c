@@ -61,8 +61,8 @@ static int64_t now_ms(void) { /* int(time.time() * 1000), computed as Python doe
 }
 
 /* The sums in local-rank order, ((s0 + s1) + s2) + ..., each element as NumPy's ufunc computes it
- * (IEEE adds for floats; integers wrap, done unsigned). Rank ``me``'s term is read from ``own``, its
- * source (the bytes it copied into its slot, which the peers read meanwhile), unless ``me`` is -1. */
+ * (IEEE adds for floats; integers wrap, done unsigned). Rank ``me``'s term is read from ``own``, the
+ * bytes it copied into its slot, unless ``me`` is -1. */
 #define TERM(T, j) ((j) == me ? (const T *)own : (const T *)(uintptr_t)slots[j])
 #define REDUCE(T, COMBINE)                                                                           \
     do {                                                                                             \
@@ -180,8 +180,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         common = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
     }
     if (common) {
-        /* Read this rank's term from src, not from its slot (cheaper: the peers read the slot meanwhile),
-         * where it holds the bytes the peers read: the GIL was held since the copy (another Python thread
+        /* Read this rank's term from src, not from its slot (measured cheaper, benchmarks/README.md), where
+         * it holds the bytes the peers read: the GIL was held since the copy (another Python thread
          * could have written src while it was released), and src does not overlap dst (in place, the sums
          * overwrite dst before a later term is read). The same bytes, so the same bits on every rank. */
         Py_ssize_t me = -1;
