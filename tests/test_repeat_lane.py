@@ -113,7 +113,8 @@ def test_a_source_written_while_the_lane_yields_still_gives_every_rank_the_same_
         k = 0
         while not stop.is_set():
             k += 1
-            x[:] = k  # a new value each time this thread gets the GIL
+            x[:100] = k  # a new value each time this thread gets the GIL (NumPy keeps it for so few items)
+            time.sleep(0)  # and hands the GIL back
 
     writer = threading.Thread(target=write, daemon=True) if comm.rank == 0 else None
     results = []
