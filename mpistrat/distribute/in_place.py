@@ -58,14 +58,14 @@ def _writable(arrays: Sequence[np.ndarray]) -> bool:
     return True
 
 
-def run(variables: Sequence[Any], check: Callable[[list[np.ndarray]], bool], kernel: Callable[..., None],
+def run(variables: Sequence[Any], check: Callable[[list[np.ndarray]], bool] | None, kernel: Callable[..., None],
         *args: Any) -> bool:
     """``kernel(*arrays, *args)`` on the arrays of ``variables``' copies being written here
     (``_in_place_owner``), writable meanwhile and locked against other threads' updates and reads of
     them (``Variable.value``; a read from this thread meanwhile, a warning or signal handler's, gets a
     copy), when every one may be written in place (each its own copy, held by nobody else, no
-    floating-point error can raise) and ``check(arrays)`` holds; whether it ran (if not, nothing
-    changed: assign instead). The locks are re-entrant: the caller may hold them already."""
+    floating-point error can raise) and ``check(arrays)`` holds (None: no check); whether it ran (if
+    not, nothing changed: assign instead). The locks are re-entrant: the caller may hold them already."""
     owners: list[Any] = []
     for variable in variables:
         owner = variable._in_place_owner()
@@ -83,7 +83,7 @@ def run(variables: Sequence[Any], check: Callable[[list[np.ndarray]], bool], ker
             if not _sole_owner(owner):
                 return False
         arrays = [owner._array for owner in owners]
-        if not check(arrays) or not _writable(arrays):
+        if (check is not None and not check(arrays)) or not _writable(arrays):
             return False
         for owner in owners:
             owner._writing = True

@@ -410,16 +410,11 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         if (type(delta) is not np.ndarray or delta.dtype != self._array.dtype
                 or (delta.shape != self._array.shape and delta.ndim != 0)):
             return False
-        return in_place.run((self,), _any_arrays, _add_into if method == "assign_add" else _subtract_from, delta)
+        return in_place.run((self,), None, _add_into if method == "assign_add" else _subtract_from, delta)
 
     def _in_place_owner(self) -> "Variable | None":
         """This variable, when its array is NumPy's (see ``BaseVariable._in_place_owner``)."""
         return None if self._on_gpu else self
-
-
-def _any_arrays(arrays: list) -> bool:
-    """``_update_in_place``'s check: it checked its operand itself."""
-    return True
 
 
 def _add_into(array: np.ndarray, delta: np.ndarray) -> None:
