@@ -143,15 +143,22 @@ def shm_rc(comm, monkeypatch):
 
 
 def _count_syncs(rc: RankCommunicator, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A one-item list counting the shared-memory backend's node synchronisations."""
+    """A one-item list counting the shared-memory backend's node synchronisations: its waits, and the epochs
+    the compiled reduce-scatter (``_lane.scatter``) posts itself (``CounterSync.advance``)."""
     sync = rc.transports[0]._sync
-    wait, counter = sync.wait, [0]
+    wait, advance, counter = sync.wait, getattr(sync, "advance", None), [0]
 
     def counted(*args, **kwargs):
         counter[0] += 1
         return wait(*args, **kwargs)
 
+    def advanced(waits: int) -> None:
+        counter[0] += waits
+        advance(waits)
+
     monkeypatch.setattr(sync, "wait", counted)
+    if advance is not None:
+        monkeypatch.setattr(sync, "advance", advanced)
     return counter
 
 

@@ -429,11 +429,11 @@ class RankCommunicator:
                                                first.transport.folds_agreement)
                 if plan.repeat_mode == FOLD and len(plan.steps) == 1 and first.direct and not inplace:
                     plan.folded = FoldedCheck(self._agreement, key, h, self._timeout, self._pack)
+                    a = arrays[first.members[0]]
                     if isinstance(first.transport, RepeatTransport):
-                        a = arrays[first.members[0]]
                         plan.prepared = first.transport.prepare_array(a.shape, a.dtype, plan.op)
-                        plan.lane = compiled_lane(self.settings.compiled_lane, plan.folded, self._guard,
-                                                  first.transport, plan.prepared, a.nbytes, a.dtype, plan.op)
+                    plan.lane = compiled_lane(self.settings.compiled_lane, plan.folded, self._guard,
+                                              first.transport, plan.prepared, a.nbytes, a.dtype, plan.op)
             mode = CHECKED
         if _plain_array(single) and type(op) is str and structure is None:
             self._planner.file_single(op, divisor, single, plan)

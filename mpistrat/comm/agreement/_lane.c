@@ -1,6 +1,6 @@
-/* The compiled lane of a repeated small all-reduce: copy in, the check's shared-memory round, the sums.
+/* The compiled lane of a repeated one-array all-reduce on one node, the check's shared-memory round included.
  *
- * One call does what ShmAllgather.exchange (the round), AgreementGuard.check_aux (the common verdict)
+ * run (shm-small's call, below) and scatter (the shm window's reduce-scatter, further down). run does what ShmAllgather.exchange (the round), AgreementGuard.check_aux (the common verdict)
  * and SmallShmTransport.allreduce_prepared (the copy into this rank's slot and the sums of every
  * rank's slot in local-rank order) do in Python, with the same memory protocol, so ranks that run
  * this and ranks that run the Python path meet in the same round. It sums only after every rank
@@ -19,7 +19,7 @@
  * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls and then
  * YIELD_NS of yields) or False
  * (every rank posted, but the verdict is not the common one: the caller reads the lines and judges).
- * Every error is raised before the round is posted; after it, nothing can fail.
+ * Every error is raised before the round is posted; after it, nothing can fail (both kernels).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -60,24 +60,21 @@ static int64_t now_ms(void) { /* int(time.time() * 1000), computed as Python doe
     return (int64_t)(seconds * 1000.0);
 }
 
-/* The sums in local-rank order, ((s0 + s1) + s2) + ..., each element as NumPy's ufunc computes it
- * (IEEE adds for floats; integers wrap, done unsigned). Rank ``me``'s term is read from ``own``, the
- * bytes it copied into its slot, unless ``me`` is -1. */
-#define TERM(T, j) ((j) == me ? (const T *)own : (const T *)(uintptr_t)slots[j])
+/* The sums in local-rank order, ((t0 + t1) + t2) + ..., each element as NumPy's ufunc computes it
+ * (IEEE adds for floats; integers wrap, done unsigned), of the ``n`` terms ``terms`` into ``dst``. */
 #define REDUCE(T, COMBINE)                                                                           \
     do {                                                                                             \
-        T *restrict d = (T *)dst; /* a private result: it aliases no slot or own, so loops vectorize */\
-        const T *a = TERM(T, 0), *b = TERM(T, 1);                                                    \
+        T *restrict d = (T *)dst; /* a private result: it aliases no term, so loops vectorize */     \
+        const T *a = (const T *)terms[0], *b = (const T *)terms[1];                                  \
         for (Py_ssize_t k = 0; k < count; k++) { T x = a[k], y = b[k]; d[k] = COMBINE; }            \
         for (Py_ssize_t j = 2; j < n; j++) {                                                         \
-            const T *s = TERM(T, j);                                                                 \
+            const T *s = (const T *)terms[j];                                                        \
             for (Py_ssize_t k = 0; k < count; k++) { T x = d[k], y = s[k]; d[k] = COMBINE; }        \
         }                                                                                            \
     } while (0)
 #define ADD_WRAP(T, U) (T)((U)x + (U)y)
 
-static void reduce(int kind, void *dst, const uint64_t *slots, Py_ssize_t n, Py_ssize_t nbytes, Py_ssize_t me,
-                   const void *own) {
+static void reduce(int kind, void *dst, const char *const *terms, Py_ssize_t n, Py_ssize_t nbytes) {
     Py_ssize_t count;
     switch (kind) {
     case KIND_SUM_F32: count = nbytes / 4; REDUCE(float, x + y); break;
@@ -89,6 +86,68 @@ static void reduce(int kind, void *dst, const uint64_t *slots, Py_ssize_t n, Py_
     case KIND_MAX_I32: count = nbytes / 4; REDUCE(int32_t, y > x ? y : x); break;
     case KIND_MAX_I64: count = nbytes / 8; REDUCE(int64_t, y > x ? y : x); break;
     }
+}
+
+/* Wait until every rank's word ``words[r]`` reaches ``value`` (``at_least``: or passes it): ``spins``
+ * polls, then yields of the core for up to YIELD_NS with the GIL released (a peer sharing this core
+ * runs meanwhile; os.sched_yield releases it too). 1: all arrived with the GIL held throughout; 2: all
+ * arrived while it was released; 0: a rank had not (the caller's Python path waits on, with its timeouts,
+ * stall reports and queries). */
+static int wait_all(volatile int64_t *base, const int64_t *words, Py_ssize_t n, int64_t value, int at_least,
+                    long spins) {
+#define ARRIVED(r) (at_least ? base[words[r]] >= value : base[words[r]] == value)
+    Py_ssize_t r = 0;
+    for (; r < n; r++) { /* the spin: a peer about to arrive costs nothing more */
+        while (!ARRIVED(r) && spins > 0) {
+            spins--;
+            cpu_relax();
+        }
+        if (!ARRIVED(r))
+            break;
+    }
+    if (r == n)
+        return 1;
+    int arrived = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t until = mono_ns() + YIELD_NS;
+    for (;;) {
+        while (r < n && ARRIVED(r))
+            r++;
+        if (r == n) {
+            arrived = 2;
+            break;
+        }
+        if (mono_ns() > until)
+            break;
+        sched_yield();
+    }
+    Py_END_ALLOW_THREADS
+    return arrived;
+#undef ARRIVED
+}
+
+/* Post this rank's round (``h``, ``aux``, ``deadline``, then the round number, after a fence) and wait
+ * for every rank's (wait_all's result); after it returns nonzero, ``*common`` says whether every rank
+ * posted this rank's ``h`` and ``aux`` with no deadline passed. */
+static int post_round(volatile int64_t *table, Py_ssize_t mine, const int64_t *lines, Py_ssize_t n, int64_t round,
+                      int64_t h, int64_t aux, int64_t deadline, long spins, int *common) {
+    table[mine + 1] = h;
+    table[mine + 2] = aux;
+    table[mine + 3] = deadline;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the data and the values before the round number */
+    table[mine] = round;
+    int arrived = wait_all(table, lines, n, round, 0, spins);
+    if (!arrived)
+        return 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the round numbers before the values and the data */
+    int64_t now = now_ms();
+    int same = now <= deadline;
+    for (Py_ssize_t i = 0; i < n && same; i++) {
+        Py_ssize_t at = lines[i];
+        same = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
+    }
+    *common = same;
+    return arrived;
 }
 
 static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -131,68 +190,213 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         goto done;
     }
     memcpy(slot, src.buf, (size_t)src.len);
-    table[mine + 1] = h;
-    table[mine + 2] = aux;
-    table[mine + 3] = deadline;
-    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the slot and the values before the round number */
-    table[mine] = round;
-    Py_ssize_t r = 0;
-    for (; r < n; r++) { /* the spin: a peer about to arrive costs nothing more */
-        while (table[lines[r]] != round && spins > 0) {
-            spins--;
-            cpu_relax();
-        }
-        if (table[lines[r]] != round)
-            break;
-    }
-    int held = 1; /* the GIL, from the copy to the sums: no Python thread can have written src since */
-    if (r < n) {
-        held = 0;
-        /* Then yield the core for up to YIELD_NS, as the guard's waiter would next (a peer that shares
-         * this core runs meanwhile); the GIL is released as os.sched_yield releases it. Past that, the
-         * guard waits with its timeouts, stall reports and queries. */
-        int arrived = 0;
-        Py_BEGIN_ALLOW_THREADS
-        int64_t until = mono_ns() + YIELD_NS;
-        for (;;) {
-            while (r < n && table[lines[r]] == round)
-                r++;
-            if (r == n) {
-                arrived = 1;
-                break;
-            }
-            if (mono_ns() > until)
-                break;
-            sched_yield();
-        }
-        Py_END_ALLOW_THREADS
-        if (!arrived) {
-            result = Py_None;
-            Py_INCREF(result);
-            goto done;
-        }
-    }
-    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the round numbers before the values and the slots */
-    int64_t now = now_ms();
-    int common = now <= deadline;
-    for (Py_ssize_t i = 0; i < n && common; i++) {
-        Py_ssize_t at = lines[i];
-        common = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
+    int common = 0;
+    int arrived = post_round(table, mine, lines, n, round, h, aux, deadline, spins, &common);
+    if (!arrived) {
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
     }
     if (common) {
         /* Read this rank's term from src, not from its slot (measured cheaper, benchmarks/README.md), where
          * it holds the bytes the peers read: the GIL was held since the copy (another Python thread
          * could have written src while it was released), and src does not overlap dst (in place, the sums
          * overwrite dst before a later term is read). The same bytes, so the same bits on every rank. */
-        Py_ssize_t me = -1;
+        const char *terms[n];
         uintptr_t s0 = (uintptr_t)src.buf, d0 = (uintptr_t)dst.buf;
-        if (held && (s0 + (uintptr_t)src.len <= d0 || d0 + (uintptr_t)dst.len <= s0))
-            for (Py_ssize_t i = 0; i < n; i++)
-                if (slots[i] == (uint64_t)(uintptr_t)slot)
-                    me = i;
-        reduce((int)kind, dst.buf, slots, n, dst.len, me, src.buf);
+        int own = arrived == 1 && (s0 + (uintptr_t)src.len <= d0 || d0 + (uintptr_t)dst.len <= s0);
+        for (Py_ssize_t i = 0; i < n; i++)
+            terms[i] = own && slots[i] == (uint64_t)(uintptr_t)slot ? (const char *)src.buf
+                                                                     : (const char *)(uintptr_t)slots[i];
+        reduce((int)kind, dst.buf, terms, n, dst.len);
     }
     result = common ? Py_True : Py_False;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+/* The reduce-scatter of one array on one node, chunk by chunk, its first synchronisation the check's round.
+ *
+ * scatter(table, mine, round, lines, h, aux, deadline, spins, src, dst, kind, segs, itemsize, chunk, direct,
+ *         me, controls, blocks, slot, counters, words, epoch)
+ *   table ... spins: the check's round, as for run
+ *   src, dst: C-contiguous buffers of the call's bytes, not overlapping (NotImplemented, nothing done, if
+ *             they do); dst private memory or this rank's result block ``slot``
+ *   segs:     bytes, uint64 address of every node rank's window segment (this bucket), local-rank order
+ *   itemsize: the dtype's; chunk: bytes per chunk (0: one pass), a multiple of it and above ``direct``
+ *   direct:   the largest chunk the window reduces with one synchronisation (the last may be one)
+ *   me:       this rank's local rank
+ *   controls: bytes, uint64 address of every rank's published result slot (empty: no result blocks);
+ *   blocks:   bytes, uint64 address of every rank's SLOTS result blocks; slot: this rank's (-1: private)
+ *   counters: address of the node synchronisation's int64 epoch counters; words: bytes, int64 item index
+ *             of every rank's counter; epoch: the last epoch this rank posted
+ * ShmTransport's reduce-scatter (allreduce.py: _allreduce_contiguous for each chunk) in one call. Per
+ * chunk: the slices the peers sum copied into this rank's segment; the first synchronisation (the
+ * check's round, this rank's result block published before it, for the first chunk; an epoch after);
+ * this rank's slice summed in local-rank order (its own term read from src) block by block, each block
+ * pushed into every peer's published result block (or its segment); the second synchronisation (an
+ * epoch); with a private result, the peers' slices copied out of this rank's segment. A last chunk of at most
+ * ``direct`` bytes is reduced as the window's one-synchronisation path does (_sum_all): copied in whole,
+ * one epoch, every rank's segment summed (the caller then flips the window's bucket).
+ * Returns True (done), None (the round posted, a peer late: nothing summed), False (the verdict is not the
+ * common one: nothing summed), NotImplemented (nothing done) or 2 * c + p: chunk c's first (p 0) or
+ * second (p 1) synchronisation posted and a peer late at it (the caller waits and goes on from there).
+ */
+#define SCATTER_BLOCK (64 << 10) /* bytes summed, then pushed while in cache */
+#define SLOTS 2                    /* result blocks per rank (results.py) */
+#define SLICE_ALIGN 64             /* slice boundaries on cache lines (allreduce.py, _bounds) */
+
+/* Byte offset where rank i's slice of a chunk of ``count`` items starts: ShmTransport._bounds. */
+static Py_ssize_t slice_start(Py_ssize_t count, Py_ssize_t itemsize, Py_ssize_t n, Py_ssize_t i) {
+    Py_ssize_t q = SLICE_ALIGN / itemsize > 1 ? SLICE_ALIGN / itemsize : 1;
+    Py_ssize_t units = (count + q - 1) / q;
+    Py_ssize_t at = units * i / n * q;
+    return (at < count ? at : count) * itemsize;
+}
+
+/* Post ``epoch`` (after a fence: this rank's stores first) and wait for every rank's: wait_all's result. */
+static int post_epoch(volatile int64_t *counters, const int64_t *words, Py_ssize_t n, Py_ssize_t me, int64_t epoch,
+                      long spins) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    counters[words[me]] = epoch;
+    int arrived = wait_all(counters, words, n, epoch, 1, spins);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the epochs before the peers' stores are read */
+    return arrived;
+}
+
+static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 22) {
+        PyErr_SetString(PyExc_TypeError, "_lane.scatter takes 22 arguments");
+        return NULL;
+    }
+    volatile int64_t *table = (volatile int64_t *)PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t mine = PyLong_AsSsize_t(args[1]);
+    int64_t round = PyLong_AsLongLong(args[2]);
+    int64_t h = PyLong_AsLongLong(args[4]), aux = PyLong_AsLongLong(args[5]), deadline = PyLong_AsLongLong(args[6]);
+    long spins = PyLong_AsLong(args[7]);
+    long kind = PyLong_AsLong(args[10]);
+    Py_ssize_t itemsize = PyLong_AsSsize_t(args[12]), chunk = PyLong_AsSsize_t(args[13]);
+    Py_ssize_t direct = PyLong_AsSsize_t(args[14]), me = PyLong_AsSsize_t(args[15]);
+    long slot = PyLong_AsLong(args[18]);
+    volatile int64_t *counters = (volatile int64_t *)PyLong_AsVoidPtr(args[19]);
+    int64_t epoch = PyLong_AsLongLong(args[21]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *const lb = args[3], *sb = args[11], *cb = args[16], *kb = args[17], *wb = args[20];
+    if (!PyBytes_Check(lb) || !PyBytes_Check(sb) || !PyBytes_Check(cb) || !PyBytes_Check(kb) || !PyBytes_Check(wb)
+        || kind < 0 || kind >= KIND_COUNT) {
+        PyErr_SetString(PyExc_TypeError, "_lane.scatter: lines, segs, controls, blocks and words are bytes, kind a "
+                                         "KIND_* value");
+        return NULL;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(lb) / 8;
+    Py_ssize_t ncontrols = PyBytes_GET_SIZE(cb) / 8;
+    if (n < 2 || PyBytes_GET_SIZE(sb) / 8 != n || PyBytes_GET_SIZE(wb) / 8 != n || me < 0 || me >= n
+        || (ncontrols != 0 && (ncontrols != n || PyBytes_GET_SIZE(kb) / 8 != SLOTS * n)) || slot < -1
+        || slot >= SLOTS || (ncontrols == 0 && slot != -1) || itemsize <= 0 || chunk < 0 || chunk % itemsize
+        || (chunk && chunk <= direct)) {
+        PyErr_SetString(PyExc_ValueError, "_lane.scatter: lines, segs, controls, blocks and words name the same two "
+                                          "or more ranks, me one of them, slot -1 or a block, chunk whole items "
+                                          "above direct");
+        return NULL;
+    }
+    const int64_t *lines = (const int64_t *)PyBytes_AS_STRING(lb);
+    const uint64_t *segs = (const uint64_t *)PyBytes_AS_STRING(sb);
+    const uint64_t *controls = (const uint64_t *)PyBytes_AS_STRING(cb);
+    const uint64_t *blocks = (const uint64_t *)PyBytes_AS_STRING(kb);
+    const int64_t *words = (const int64_t *)PyBytes_AS_STRING(wb);
+    /* Every argument is checked before the round is posted: an error here leaves the peers' round alone. */
+    Py_buffer src, dst;
+    if (PyObject_GetBuffer(args[8], &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[9], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t len = src.len;
+    if (dst.len != len || len % itemsize || len <= direct) {
+        PyErr_SetString(PyExc_ValueError, "_lane.scatter: src and dst differ in size, hold no whole items, or take "
+                                          "one synchronisation");
+        goto done;
+    }
+    uintptr_t s0 = (uintptr_t)src.buf, d0 = (uintptr_t)dst.buf;
+    if (!(s0 + (uintptr_t)len <= d0 || d0 + (uintptr_t)len <= s0)) {
+        result = Py_NotImplemented; /* in place: the Python path, which reads this rank's slice first */
+        Py_INCREF(result);
+        goto done;
+    }
+    if (chunk == 0 || chunk > len)
+        chunk = len;
+    char *seg = (char *)(uintptr_t)segs[me], *out = (char *)dst.buf;
+    const char *in = (const char *)src.buf;
+    {
+        char *targets[n];       /* where each rank's result goes: its published block, or its segment */
+        Py_ssize_t shifts[n];   /* 1 where that is its block (indexed by the array's offset), else 0 */
+        const char *terms[n];
+        for (Py_ssize_t c = 0, off = 0; off < len; c++, off += chunk) {
+            Py_ssize_t clen = len - off < chunk ? len - off : chunk;
+            if (clen <= direct) { /* the last chunk, short: the window's one-synchronisation reduce */
+                memcpy(seg, in + off, (size_t)clen);
+                if (!post_epoch(counters, words, n, me, ++epoch, spins)) {
+                    result = PyLong_FromSsize_t(2 * c);
+                    goto done;
+                }
+                for (Py_ssize_t j = 0; j < n; j++)
+                    terms[j] = (const char *)(uintptr_t)segs[j];
+                reduce((int)kind, out + off, terms, n, clen);
+                break;
+            }
+            Py_ssize_t lo = slice_start(clen / itemsize, itemsize, n, me);
+            Py_ssize_t hi = slice_start(clen / itemsize, itemsize, n, me + 1);
+            memcpy(seg, in + off, (size_t)lo); /* the slices the peers sum; this rank's own is read from src */
+            memcpy(seg + hi, in + off + hi, (size_t)(clen - hi));
+            if (c == 0) {
+                if (ncontrols)
+                    *(volatile int64_t *)(uintptr_t)controls[me] = slot; /* published before the round */
+                int common = 0;
+                if (!post_round(table, mine, lines, n, round, h, aux, deadline, spins, &common)) {
+                    result = Py_None;
+                    Py_INCREF(result);
+                    goto done;
+                }
+                if (!common) {
+                    result = Py_False;
+                    Py_INCREF(result);
+                    goto done;
+                }
+                for (Py_ssize_t r = 0; r < n; r++) {
+                    int64_t k = ncontrols ? *(volatile int64_t *)(uintptr_t)controls[r] : -1;
+                    shifts[r] = 0 <= k && k < SLOTS;
+                    targets[r] = (char *)(uintptr_t)(shifts[r] ? blocks[r * SLOTS + k] : segs[r]);
+                }
+            } else if (!post_epoch(counters, words, n, me, ++epoch, spins)) {
+                result = PyLong_FromSsize_t(2 * c);
+                goto done;
+            }
+            for (Py_ssize_t at = lo; at < hi; at += SCATTER_BLOCK) {
+                Py_ssize_t size = hi - at < SCATTER_BLOCK ? hi - at : SCATTER_BLOCK;
+                for (Py_ssize_t j = 0; j < n; j++)
+                    terms[j] = j == me ? in + off + at : (const char *)(uintptr_t)segs[j] + at;
+                reduce((int)kind, out + off + at, terms, n, size);
+                for (Py_ssize_t r = 0; r < n; r++) /* push, don't pull (allreduce.py): while the block is in cache */
+                    if (r != me)
+                        memcpy(targets[r] + (shifts[r] ? off : 0) + at, out + off + at, (size_t)size);
+            }
+            if (!post_epoch(counters, words, n, me, ++epoch, spins)) {
+                result = PyLong_FromSsize_t(2 * c + 1);
+                goto done;
+            }
+            if (slot < 0) {
+                memcpy(out + off, seg, (size_t)lo);
+                memcpy(out + off + hi, seg + hi, (size_t)(clen - hi));
+            }
+        }
+    }
+    result = Py_True;
     Py_INCREF(result);
 done:
     PyBuffer_Release(&src);
@@ -203,11 +407,14 @@ done:
 static PyMethodDef lane_methods[] = {
     {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
      "Copy in, post the check's round, spin, judge and sum: True (summed), None (a peer late) or False."},
+    {"scatter", (PyCFunction)(void (*)(void))lane_scatter, METH_FASTCALL,
+     "The reduce-scatter of one array on one node, its first synchronisation the check's round."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef lane_module = {
-    PyModuleDef_HEAD_INIT, "_lane", "The compiled lane of a repeated small all-reduce.", -1, lane_methods,
+    PyModuleDef_HEAD_INIT, "_lane", "The compiled lane of a repeated one-array all-reduce on one node.", -1,
+    lane_methods,
 };
 
 PyMODINIT_FUNC PyInit__lane(void) {

@@ -1,20 +1,23 @@
-"""The compiled lane: a repeated small all-reduce's copy, agreement round and sums in one C call.
+"""The compiled lane: a repeated one-array all-reduce on one node in one C call, its agreement round included.
 
-A repeated one-array all-reduce whose check folds into ``shm-small``'s synchronisation (the
-communicator's ``allreduce_repeat``) runs, in Python, the copy into this rank's slot, the guard's
-shared-memory round, its verdict and the sums: about ten Python calls, each paying the cold-cache
-price after the data of the call before went through the caches. :class:`CompiledLane` makes that
-one call of ``_lane.run`` (``_lane.c``), which keeps the same memory protocol as
-:class:`~mpistrat.comm.agreement.shm_allgather.ShmAllgather` and the transport, so it meets ranks on
-the Python path in the same round. It sums only after every rank posted this rank's fingerprint and
-``aux`` with no deadline passed; every other outcome (a rank later than the spin and 1 ms of yields, a mismatch, a
-deadline) goes back to the guard, which waits, judges and raises as always, before any data is
-combined. The extension is optional: without it (no compiler at install) or with
-``MPISTRAT_COMPILED_LANE=0`` every call takes the Python path.
+A repeated one-array all-reduce whose check folds into a shared-memory transport's synchronisation (the
+communicator's ``allreduce_repeat``) runs, in Python, the copy into shared memory, the guard's
+shared-memory round, its verdict and the reduction: ten Python calls or more, each paying the
+cold-cache price after the data of the call before went through the caches. :class:`CompiledLane`
+makes ``shm-small``'s call one ``_lane.run`` (``_lane.c``), :class:`CompiledScatter` the ``shm``
+window's reduce-scatter one ``_lane.scatter``; both keep the memory protocol of
+:class:`~mpistrat.comm.agreement.shm_allgather.ShmAllgather` and of the transport, so they meet ranks
+on the Python path in the same rounds. They combine data only after every rank posted this rank's
+fingerprint and ``aux`` with no deadline passed; every other outcome (a rank later than the spin and 1
+ms of yields, a mismatch, a deadline) goes back to the guard, which waits, judges and raises as always,
+before any data is combined, and the transport's Python path finishes the call. The extension is
+optional: without it (no compiler at install) or with ``MPISTRAT_COMPILED_LANE=0`` every call takes the
+Python path.
 """
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Any
 
@@ -24,6 +27,7 @@ from mpistrat.comm.agreement.call import FoldedCheck
 from mpistrat.comm.agreement.guard import AgreementGuard
 from mpistrat.comm.agreement.shm_allgather import ShmAllgather
 from mpistrat.comm.transport.base import Transport
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
 from mpistrat.comm.transport.shm.small import SmallShmTransport
 
 try:
@@ -31,7 +35,7 @@ try:
 except ImportError:  # built without a C compiler: the Python path
     _lane = None
 
-__all__ = ["CompiledLane", "compiled_lane"]
+__all__ = ["CompiledLane", "CompiledScatter", "FoldedLane", "compiled_lane"]
 
 # (wire op, dtype) -> the kernel's kind: the ops whose every element the C loop computes bit for bit as
 # NumPy's ufunc does (float MIN and MAX are left to NumPy: its NaN and signed-zero rules).
@@ -48,52 +52,76 @@ _KINDS: dict[tuple[str, np.dtype], int] = {} if _lane is None else {
 
 
 def compiled_lane(enabled: bool, check: FoldedCheck, guard: AgreementGuard | None, transport: Transport,
-                  prepared: Any, nbytes: int, dtype: np.dtype, op: str) -> "CompiledLane | None":
+                  prepared: Any, nbytes: int, dtype: np.dtype, op: str) -> "FoldedLane | None":
     """The lane of one plan (local), or None where it does not apply: the extension absent or ``enabled``
     False (``MPISTRAT_COMPILED_LANE``), a guard that does not gather in shared memory, a transport other
-    than ``shm-small``, an empty array, or an op and dtype the kernel leaves to NumPy."""
+    than ``shm-small`` (:class:`CompiledLane`) or ``shm`` (:class:`CompiledScatter`), an empty array, or an
+    op and dtype the kernel leaves to NumPy."""
     kind = _KINDS.get((op, np.dtype(dtype)))
-    if (not enabled or kind is None or nbytes == 0 or guard is None or guard.gather is None
-            or not isinstance(transport, SmallShmTransport)):
+    if not enabled or kind is None or nbytes == 0 or guard is None or guard.gather is None:
         return None
-    return CompiledLane(check, guard, guard.gather, transport, prepared, kind)
+    if isinstance(transport, SmallShmTransport):
+        return CompiledLane(check, guard, guard.gather, transport, prepared, kind)
+    if isinstance(transport, ShmTransport):
+        return CompiledScatter(check, guard, guard.gather, transport, kind, op)
+    return None
 
 
-class CompiledLane:
-    """One plan's repeated call in one ``_lane.run`` (see the module's docstring).
+class FoldedLane(abc.ABC):
+    """One plan's repeated call whose copy, check round and sums run in one call of ``_lane`` (see the
+    module's docstring); the transport's own Python path finishes what the kernel left.
 
     :meth:`__call__` takes over the check's bookkeeping (the guard's sequence number and open round, the
     gather's round) exactly where ``check_aux`` and ``ShmAllgather.exchange`` keep it, so the guard's
-    waiting, verdicts, timeouts and stall reports apply unchanged to a round the lane posted.
+    waiting, verdicts, timeouts and stall reports apply unchanged to a round the kernel posted.
     """
 
-    __slots__ = ("_check", "_guard", "_gather", "_transport", "_prepared", "_kind", "_key", "_h", "_timeout",
-                 "_timeout_ms", "_aux", "_aux_values", "_table", "_mine", "_lines", "_items", "_slots", "_capacity")
+    __slots__ = ("_check", "_guard", "_gather", "_transport", "_kind", "_key", "_h", "_timeout",
+                 "_timeout_ms", "_aux", "_aux_values", "_table", "_mine", "_lines", "_items")
 
-    def __init__(self, check: FoldedCheck, guard: AgreementGuard, gather: ShmAllgather, transport: SmallShmTransport,
-                 prepared: Any, kind: int) -> None:
-        self._check, self._guard, self._gather, self._transport = check, guard, gather, transport
-        self._prepared, self._kind = prepared, kind
+    def __init__(self, check: FoldedCheck, guard: AgreementGuard, gather: ShmAllgather, transport: Transport,
+                 kind: int) -> None:
+        self._check, self._guard, self._gather, self._transport, self._kind = check, guard, gather, transport, kind
         self._key, self._h, self._timeout, self._aux = check.signature()
         self._timeout = guard.effective_timeout(self._timeout)
         self._timeout_ms = int(self._timeout * 1000)
         self._aux_values = [self._aux] * guard.size
         self._table, self._mine, self._lines = gather.layout()
         self._items = gather._items  # this rank's round word tells whether a call that raised had posted
-        self._slots = transport.slot_addresses(prepared)
-        self._capacity = transport.max_bytes
+
+    @abc.abstractmethod
+    def _ready(self, src: np.ndarray, dst: np.ndarray) -> Any:
+        """What :meth:`_post` needs for this call, or None where the kernel cannot take it (nothing done)."""
+
+    @abc.abstractmethod
+    def _post(self, ready: Any, round_: int, mine: int, deadline: int, src: np.ndarray, dst: np.ndarray) -> Any:
+        """The kernel's call: True (done), None (a peer late at the round), False (not the common verdict),
+        NotImplemented (nothing done) or what :meth:`_after` finishes."""
+
+    def _after(self, ready: Any, out: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        """Finish a call the kernel returned ``out`` for, the round passed: True or a kernel's own value."""
+
+    @abc.abstractmethod
+    def _finish(self, ready: Any, src: np.ndarray, dst: np.ndarray, synced: bool) -> None:
+        """The transport's Python path from the check on, once the guard passed it (``synced``: every rank
+        staged first)."""
+
+    def _failed(self, ready: Any) -> None:
+        """The call raised (before or after the kernel's post): undo what :meth:`_ready` announced."""
 
     def __call__(self, src: np.ndarray, dst: np.ndarray) -> bool:
         """Reduce ``src`` (C-contiguous, the plan's shape and dtype) into ``dst``; False, having done
-        nothing, where a check is open on this guard (the caller then takes the Python path)."""
+        nothing, where a check is open on this guard or the kernel cannot take the call (the caller then
+        takes the Python path)."""
         guard = self._guard
         gather = self._gather
         if guard._open is not None or not gather._done:
             return False
+        ready = self._ready(src, dst)
+        if ready is None:
+            return False
         current = gather._round + 1
-        parity = current & 1
-        mine = self._mine[parity]
-        transport = self._transport
+        mine = self._mine[current & 1]
         try:
             # AgreementGuard._opening and ShmAllgather.exchange's bookkeeping, with the plan's fingerprint
             # and timeout; only the calls below can raise, so both counters have moved when they do.
@@ -101,10 +129,13 @@ class CompiledLane:
             guard.seq += 1
             arrival = int(time.time() * 1000)
             deadline = arrival + self._timeout_ms
-            slot, slots = self._slots[transport.slot]
-            out = _lane.run(self._table, mine, current, self._lines[parity], self._h, self._aux, deadline,
-                            guard._spins, src, slot, slots, dst, self._kind, self._capacity)
+            out = self._post(ready, current, mine, deadline, src, dst)
+            if out is NotImplemented:
+                gather._round = current - 1
+                guard.seq -= 1
+                return False
         except BaseException as exc:
+            self._failed(ready)
             if self._items[mine] != current:  # before the post (the kernel's errors, a signal): undo
                 gather._round = current - 1
                 guard.seq -= 1
@@ -115,9 +146,13 @@ class CompiledLane:
             guard._interrupted(self._key, exc)
             raise
         self._check.pending = False
-        if out is True:  # every rank posted this call, in time: summed
+        if out is not None and out is not False:  # every rank posted this call, in time: summed
             guard.aux_values = self._aux_values
-            transport.slot ^= 1  # whoever sums a call's slots flips their parity (SmallShmTransport.slot)
+            try:
+                self._after(ready, out, src, dst)
+            except BaseException:
+                self._failed(ready)
+                raise
             return True
         opened = (gather, self._key, self._timeout, self._h, arrival, deadline)
         try:
@@ -130,9 +165,93 @@ class CompiledLane:
                 now = int(time.time() * 1000)
                 values = guard._judge(gather.values(), opened, False, now, now, True)
         except BaseException as exc:
+            self._failed(ready)
             # A verdict's errors leave the guard consistent; an interrupt before the round was judged does not.
             if guard._open is opened or (out is False and not isinstance(exc, Exception)):
                 guard._interrupted(self._key, exc)
             raise
-        transport.finish_prepared(self._prepared, dst, self._check.verdict(values))
+        try:
+            self._finish(ready, src, dst, self._check.verdict(values))
+        except BaseException:
+            self._failed(ready)
+            raise
         return True
+
+
+class CompiledLane(FoldedLane):
+    """``shm-small``'s call (copy into this rank's slot, the round, the sums of every slot) in one
+    ``_lane.run``."""
+
+    __slots__ = ("_prepared", "_slots", "_capacity")
+
+    def __init__(self, check: FoldedCheck, guard: AgreementGuard, gather: ShmAllgather, transport: SmallShmTransport,
+                 prepared: Any, kind: int) -> None:
+        super().__init__(check, guard, gather, transport, kind)
+        self._prepared = prepared
+        self._slots = transport.slot_addresses(prepared)
+        self._capacity = transport.max_bytes
+
+    def _ready(self, src: np.ndarray, dst: np.ndarray) -> Any:
+        return self._slots[self._transport.slot]
+
+    def _post(self, ready: Any, round_: int, mine: int, deadline: int, src: np.ndarray, dst: np.ndarray) -> Any:
+        return _lane.run(self._table, mine, round_, self._lines[round_ & 1], self._h, self._aux, deadline,
+                         self._guard._spins, src, ready[0], ready[1], dst, self._kind, self._capacity)
+
+    def _after(self, ready: Any, out: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        self._transport.slot ^= 1  # whoever sums a call's slots flips their parity (SmallShmTransport.slot)
+
+    def _finish(self, ready: Any, src: np.ndarray, dst: np.ndarray, synced: bool) -> None:
+        self._transport.finish_prepared(self._prepared, dst, synced)
+
+
+class CompiledScatter(FoldedLane):
+    """``shm``'s reduce-scatter of one array (copy of the peers' slices into this rank's segment, the
+    published result block, the round, the sums and pushes of this rank's slice, the second
+    synchronisation, the copy out) in one ``_lane.scatter``, where the transport takes it in one pass
+    (:meth:`ShmTransport.scatter_layout`)."""
+
+    __slots__ = ("_op",)
+
+    def __init__(self, check: FoldedCheck, guard: AgreementGuard, gather: ShmAllgather, transport: ShmTransport,
+                 kind: int, op: str) -> None:
+        super().__init__(check, guard, gather, transport, kind)
+        self._op = op
+
+    def _ready(self, src: np.ndarray, dst: np.ndarray) -> Any:
+        transport = self._transport
+        layout = transport.scatter_layout(dst.size, dst.dtype)
+        if layout is None:
+            return None
+        shared = layout.shared
+        slot = -1 if shared is None else shared.announce(dst)
+        return layout, slot
+
+    def _post(self, ready: Any, round_: int, mine: int, deadline: int, src: np.ndarray, dst: np.ndarray) -> Any:
+        layout, slot = ready
+        return _lane.scatter(self._table, mine, round_, self._lines[round_ & 1], self._h, self._aux, deadline,
+                             self._guard._spins, src, dst, self._kind, layout.segments[self._transport._bucket],
+                             layout.itemsize, layout.chunk, layout.direct, layout.me, layout.controls, layout.blocks,
+                             slot,
+                             layout.counters, layout.words, layout.sync.epoch)
+
+    def _after(self, ready: Any, out: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        layout = ready[0]
+        sync = layout.sync
+        if out is True:
+            sync.advance(layout.epochs)  # the epochs the kernel posted
+            if layout.tail_one_sync:
+                self._transport._bucket ^= 1  # as _sum_all flips it
+            return
+        chunk, pushed = divmod(out, 2)  # the kernel posted chunk's first (second) synchronisation; a peer late
+        sync.advance(2 * chunk + pushed)
+        sync.wait_posted()
+        self._transport.finish_scatter(layout, src, dst, self._op, chunk, bool(pushed))
+
+    def _finish(self, ready: Any, src: np.ndarray, dst: np.ndarray, synced: bool) -> None:
+        self._transport.finish_scatter(ready[0], src, dst, self._op, 0, False, synced)
+
+    def _failed(self, ready: Any) -> None:
+        shared = ready[0].shared
+        if shared is not None:
+            shared.retire()  # a late owner may still write into it: never hand it out again

@@ -251,6 +251,35 @@ class CounterSync(NodeSync):
         self._data_win.Sync()  # this rank's data stores before its counter
         ctr[self._me] = epoch
         self._sync_counters()
+        self._await(ctr, epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last :meth:`wait` (or :meth:`advance`)."""
+        return self._epoch
+
+    def layout(self) -> tuple[int, bytes]:
+        """Where the epochs live, for a compiled poster (``_lane.c``): the counters' address and every rank's
+        counter as native int64 item indices, in rank order."""
+        address = self._counters.segment(0).__array_interface__["data"][0]
+        n = len(self._others) + 1
+        return address, np.arange(0, n * _LINE_ITEMS, _LINE_ITEMS, dtype=np.int64).tobytes()
+
+    def advance(self, waits: int) -> None:
+        """Count ``waits`` waits whose epochs (:attr:`epoch` + 1 on) a compiled poster stored, each after its
+        data stores, and saw every peer reach, but for the last, which it may leave to :meth:`wait_posted`."""
+        self._epoch += waits
+
+    def wait_posted(self) -> None:
+        """The rest of a wait whose epoch this rank posted (:meth:`advance`): every peer reaching it."""
+        ctr = self._ctr
+        if ctr is None:
+            raise RuntimeError("CounterSync is freed")
+        self._sync_counters()
+        self._await(ctr, self._epoch)
+
+    def _await(self, ctr: memoryview, epoch: int) -> None:
+        """Wait until every peer's counter reached ``epoch`` (this rank's is posted), then the barrier."""
         others = self._others
         i = 0
         while i < len(others) and ctr[others[i]] >= epoch:

@@ -18,12 +18,19 @@ from mpistrat.config import Settings
 from mpistrat.comm.errors import allgather_checked
 from mpistrat.comm.options import CommunicationImplementation
 from mpistrat.comm.runtime.lifetime import group_key
-from mpistrat.comm.runtime.shm_window import PAGE_SIZE, NodeSync, SharedWindow, exiting_cleanly, make_sync
+from mpistrat.comm.runtime.shm_window import (
+    PAGE_SIZE,
+    CounterSync,
+    NodeSync,
+    SharedWindow,
+    exiting_cleanly,
+    make_sync,
+)
 from mpistrat.comm.runtime.topology import NodeLayout, Topology, resolve_pretend_nodes, topology as make_topology
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
 from mpistrat.comm.transport.buffers import GrowableBuffers
 from mpistrat.comm.transport.shm import calibration
-from mpistrat.comm.transport.shm.plan import ReducePlan, make_plan
+from mpistrat.comm.transport.shm.plan import ReducePlan, ScatterLayout, make_plan
 from mpistrat.comm.transport.shm.results import PRIVATE, SLOTS, ResultBlocks, SharedResults
 from mpistrat.comm.transport.shm.settings import agree_settings, read_settings
 
@@ -199,6 +206,7 @@ class ShmTransport(Transport):
         self._tmp: dict[np.dtype, np.ndarray] = {}
         self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._plans: dict[tuple[int, np.dtype, int], ReducePlan] = {}
+        self._layouts: dict[tuple[int, np.dtype], ScatterLayout | None] = {}  # scatter_layout's answers
         self._bucket = 0
         self._pending: tuple[int, np.dtype] | None = None
         self._win_sync: Any = None  # the window's Win.Sync, bound
@@ -422,6 +430,57 @@ class ShmTransport(Transport):
                 shared.retire()  # a late owner may still write into it: never hand it out again
             raise
 
+    def scatter_layout(self, count: int, dtype: np.dtype) -> ScatterLayout | None:
+        """What the compiled reduce-scatter (``_lane.scatter``, agreement/lane.py) of a repeated
+        :meth:`allreduce_array` of ``count`` items of ``dtype`` reads, or None where that call takes
+        another path: not the reduce-scatter of one node, a collective before staging (the window to
+        grow, chunks to measure, result blocks to make), or the barrier synchronisation."""
+        key = (count, dtype)
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        if (not self._pushes or not isinstance(self._sync, CounterSync)
+                or count * dtype.itemsize <= self.direct_max_bytes or not self._staged_without_collectives(count, dtype)):
+            return None
+        chunk = self.chunk_bytes // dtype.itemsize if self.chunk_bytes else 0  # reduce_in_chunks's chunks
+        if 0 < chunk < count and chunk * dtype.itemsize <= self.direct_max_bytes:
+            return None  # every chunk in one synchronisation: the Python path
+        address = lambda a: a.__array_interface__["data"][0]  # noqa: E731
+        segments = tuple(np.array([address(v) for v in self._typed(b, dtype)], np.uint64).tobytes() for b in (0, 1))
+        layout = ScatterLayout(segments, self._local_rank(), count, dtype.itemsize, chunk, self.direct_max_bytes,
+                               self.result_blocks.shared_results(count, dtype), self._sync)
+        if len(self._layouts) >= _PLAN_CACHE:
+            self._layouts.clear()
+        self._layouts[key] = layout
+        return layout
+
+    def finish_scatter(self, layout: ScatterLayout, src: np.ndarray, dst: np.ndarray, op: str, chunk: int,
+                       pushed: bool, synced: bool = True) -> None:
+        """The rest of a reduce-scatter that ``_lane.scatter`` ran up to a synchronisation of chunk ``chunk``
+        (an index), every rank having passed it: its first (the check's for chunk 0; ``synced``: every
+        rank's first synchronisation), whose sums and pushes come next, or its second (``pushed``), after
+        which only a private result's copy out is left. Then the later chunks, as :meth:`allreduce_array`."""
+        out, source = dst.reshape(-1), src.reshape(-1)
+        count, dtype = out.shape[0], out.dtype
+        step = layout.chunk_items
+        shared = layout.shared
+        start, end = chunk * step, min(chunk * step + step, count)
+        if pushed:
+            if shared is None or shared.published == PRIVATE:  # this rank's slice is in out already
+                segment = self._typed(self._bucket, dtype)[self._local_rank()]
+                self._copy_others(segment[: end - start], out[start:end], end - start, dtype.itemsize)
+        else:
+            if synced:
+                self._win_sync()  # the peers' stores before our loads
+            ufunc = ops.WIRE_OPS[op].ufunc
+            if (end - start) * dtype.itemsize <= self.direct_max_bytes:  # a short last chunk: one synchronisation
+                self._sum_all(end - start, dtype, ufunc, out[start:end], synced)
+            else:
+                self._reduce_chunk(source[start:end], out[start:end], ufunc, op, synced, shared, start)
+        for start in range(end, count, step):
+            self._allreduce_contiguous(source[start : start + step], out[start : start + step], op, NO_AGREEMENT,
+                                       shared, start)
+
     def _staged_without_collectives(self, count: int, dtype: np.dtype) -> bool:
         """Whether ``allreduce_array`` of ``count`` items stages its data before any collective call
         (neither growing the window nor measuring chunks first)."""
@@ -491,6 +550,13 @@ class ShmTransport(Transport):
         np.copyto(buf[hi:], source[hi:])
         synced = self._staged(hook)
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_array")
+        self._reduce_chunk(source, out, ufunc, op, synced, shared, offset)
+
+    def _reduce_chunk(self, source: np.ndarray, out: np.ndarray, ufunc: np.ufunc, op: str, synced: bool,
+                      shared: SharedResults | None, offset: int) -> None:
+        """The rest of :meth:`_allreduce_contiguous` once the chunk is staged (``synced``: the check stood
+        for the first synchronisation): the reduce-scatter and, for a private result, the copy out."""
+        count, dtype = out.shape[0], out.dtype
         private = shared is None or shared.published == PRIVATE
         reduced = self._reduce_scatter(count, dtype, ufunc, op, source, synced, shared, offset,
                                        into=out if shared is None else None)
@@ -574,6 +640,7 @@ class ShmTransport(Transport):
         self._staging.clear()
         self._segments.clear()
         self._plans.clear()
+        self._layouts.clear()
         self._tmp.clear()
         self._pending = None
         self.result_blocks.free()
@@ -620,6 +687,7 @@ class ShmTransport(Transport):
         self._staging.clear()
         self._segments.clear()
         self._plans.clear()
+        self._layouts.clear()
         self._free_window()
         buckets = 2 if self.direct_max_bytes >= 0 else 1  # without one-synchronisation reduces, one bucket
         self._window = SharedWindow(self.layout.node_comm, buckets * cap)

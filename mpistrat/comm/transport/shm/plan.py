@@ -1,10 +1,12 @@
-"""The views one window reduce-scatter touches, computed once per bucket, dtype and count."""
+"""What one window reduce-scatter touches, computed once per bucket, dtype and count."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-__all__ = ["ReducePlan", "make_plan"]
+__all__ = ["ReducePlan", "ScatterLayout", "make_plan"]
 
 
 class ReducePlan:
@@ -63,3 +65,30 @@ def make_plan(
             cross = own[lo:hi]
             cross_targets = tuple(v[lo:hi] for v in others)
     return ReducePlan(views[lr][:count], blocks, cross, cross_targets)
+
+
+class ScatterLayout:
+    """What the compiled reduce-scatter (``_lane.scatter``) of one array size reads: every rank's window
+    segment per bucket, this rank's local rank, the chunks, the result blocks' control words and blocks
+    (``shared``'s; empty without), the node synchronisation's epoch counters (``sync``)."""
+
+    __slots__ = ("segments", "me", "itemsize", "chunk", "chunk_items", "direct", "tail_one_sync", "epochs", "shared",
+                 "controls", "blocks", "sync", "counters", "words")
+
+    def __init__(self, segments: tuple[bytes, bytes], me: int, count: int, itemsize: int, chunk_items: int,
+                 direct: int, shared: Any, sync: Any) -> None:
+        self.segments = segments
+        self.me = me
+        self.itemsize = itemsize
+        self.chunk_items = chunk_items if 0 < chunk_items < count else count
+        self.chunk = self.chunk_items * itemsize if self.chunk_items < count else 0  # bytes; 0: one pass
+        self.direct = direct
+        chunks = -(-count // self.chunk_items)
+        # A short last chunk takes the window's one-synchronisation reduce, which flips its bucket.
+        self.tail_one_sync = (count - (chunks - 1) * self.chunk_items) * itemsize <= direct
+        # The node synchronisations besides the check's: two per chunk, one fewer for the first and a short last.
+        self.epochs = 2 * chunks - 1 - self.tail_one_sync
+        self.shared = shared
+        self.controls, self.blocks = shared.addresses() if shared is not None else (b"", b"")
+        self.sync = sync
+        self.counters, self.words = sync.layout()

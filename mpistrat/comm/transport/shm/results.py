@@ -94,6 +94,21 @@ class SharedResults(ResultBlockSet):
         self._control[0] = self.published = slot
         self.window.sync()
 
+    def announce(self, out: np.ndarray) -> int:
+        """:meth:`publish` of ``out``'s slot (:meth:`slot_of`) by a compiled kernel (``_lane.scatter``), which
+        stores it into this rank's control word (:meth:`addresses`) before the call's first synchronisation;
+        the slot."""
+        self.published = slot = self.slot_of(out)
+        return slot
+
+    def addresses(self) -> tuple[bytes, bytes]:
+        """For a compiled kernel: every rank's control word and every rank's :data:`SLOTS` blocks, as native
+        uint64 addresses in rank order (blocks rank by rank)."""
+        address = lambda a: a.__array_interface__["data"][0]  # noqa: E731
+        controls = np.array([address(c) for c in self._controls], np.uint64).tobytes()
+        blocks = np.array([address(b) for row in self._blocks for b in row], np.uint64).tobytes()
+        return controls, blocks
+
     def retire(self) -> None:
         """Never hand out the published block again (its call failed: owners may still write)."""
         if 0 <= self.published < SLOTS:

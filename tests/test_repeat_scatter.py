@@ -1,0 +1,159 @@
+"""A repeated ``all_reduce`` of one array the shared-memory window reduce-scatters: the compiled reduce-scatter
+(``_lane.scatter``) keeps every result, check and error of the Python path (2 and 4 ranks)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.comm import CollectiveMismatchError
+from mpistrat.comm.agreement import lane
+from mpistrat.comm.agreement.lane import CompiledScatter
+from mpistrat.comm.transport.shm.allreduce import ShmTransport
+
+from helpers import run_all_reduce
+
+# One pass (above the one-synchronisation limit, under a chunk); chunks with a short last chunk (reduced
+# with one synchronisation); chunks with a long last chunk (reduce-scattered too).
+SIZES = [300 << 10, (1 << 20) + 4160, (3 << 19) + 64]
+
+
+@pytest.fixture(params=["compiled", "python", "mixed"])
+def lane_mode(request, monkeypatch, comm):
+    """Every test with the compiled reduce-scatter, with the Python path, and with the kernel on rank 0 only
+    (the two meet in the same rounds and epochs)."""
+    on = request.param == "compiled" or (request.param == "mixed" and comm.rank == 0)
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1" if on else "0")
+    return "compiled" if on else "python"
+
+
+@pytest.fixture
+def strategy(comm, monkeypatch, lane_mode):
+    """The default strategy on one node (large arrays through the window transport, the check folded)."""
+    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT", "MPISTRAT_SHM_CHUNK_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))  # chunks whatever this machine's L2
+    return ms.MultiWorkerMirroredStrategy()
+
+
+@pytest.fixture
+def returned(monkeypatch):
+    """What every ``_lane.scatter`` call of this rank returned, in order."""
+    kernel = lane._lane
+    seen: list = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def scatter(self, *args):
+            out = kernel.scatter(*args)
+            seen.append(out)
+            return out
+
+    monkeypatch.setattr(lane, "_lane", Recording())
+    return seen
+
+
+def _inputs(rng: np.random.Generator, count: int, dtype: type) -> np.ndarray:
+    if np.dtype(dtype).kind == "f":  # sums whose bits depend on the order, infinities, NaN, subnormals
+        x = (rng.standard_normal(count) * 10.0 ** rng.integers(-30, 30, count)).astype(dtype)
+        x[:4] = [np.inf, -np.inf, np.nan, np.finfo(dtype).tiny / 3]
+        return x
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+
+
+def _expected(comm, x: np.ndarray, op: str) -> np.ndarray:
+    every = comm.allgather(x)
+    ufunc = {"sum": np.add, "min": np.minimum, "max": np.maximum}[op]
+    expected = ufunc(every[0], every[1])
+    for y in every[2:]:
+        expected = ufunc(expected, y)
+    return expected
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (np.float64, "sum"), (np.int32, "min"), (np.int64, "sum")])
+def test_repeated_large_calls_give_numpys_bits_in_local_rank_order_and_keep_every_result(strategy, comm, lane_mode,
+                                                                                       returned, dtype, op):
+    # Every result a new array: the first ones in the transport's shared result blocks, later ones (the
+    # caller holds every block) private; none written again by a later call, the inputs untouched.
+    rng = np.random.default_rng(comm.rank)
+    kept = []
+    for nbytes in SIZES:
+        for k in range(4):
+            x = _inputs(rng, nbytes // np.dtype(dtype).itemsize, dtype)
+            before = x.copy()
+            out = run_all_reduce(strategy, op, x)
+            expected = _expected(comm, x, op)
+            assert out.tobytes() == expected.tobytes(), (lane_mode, nbytes, k)
+            assert x.tobytes() == before.tobytes()
+            kept.append((out, expected))
+        plan = strategy.extended._communicator._planner.singles[(op, None, x.shape, x.dtype, np.ndarray)]
+        transport = plan.steps[0].transport
+        assert isinstance(transport, ShmTransport)
+        assert isinstance(plan.lane, CompiledScatter) == (lane_mode == "compiled")
+        assert transport.scatter_layout(x.size, x.dtype) is not None  # what the kernel reads: nothing left to make
+    for out, expected in kept:
+        assert out.tobytes() == expected.tobytes()
+    if lane_mode == "compiled":  # the kernel ran (a peer late hands the rest to Python: None or an epoch's code)
+        assert len(returned) == 3 * len(SIZES)
+        assert all(r is True or r is None or type(r) is int for r in returned)
+    else:
+        assert returned == []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_peers_late_at_the_check_or_at_a_chunks_synchronisation_hand_the_rest_to_the_python_path(comm, monkeypatch,
+                                                                                                returned):
+    # The last rank takes the Python path and sleeps before the call (the kernel's peers find the round late:
+    # None) or inside each reduce-scatter of a chunk (they find an epoch late: 2 * chunk + phase); either
+    # way they go on in Python from where the kernel stopped, to the same bits.
+    late = comm.rank == comm.size - 1
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "0" if late else "1")
+    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
+    strategy = ms.MultiWorkerMirroredStrategy()
+    rng = np.random.default_rng(comm.rank)
+    x = _inputs(rng, SIZES[1] // 4, np.float32)
+    for _ in range(2):
+        run_all_reduce(strategy, "sum", x)  # planned: the next calls repeat it
+    if late:
+        slow = ShmTransport._reduce_scatter
+
+        def sleeping(self, *args, **kwargs):
+            time.sleep(0.005)
+            return slow(self, *args, **kwargs)
+
+        monkeypatch.setattr(ShmTransport, "_reduce_scatter", sleeping)
+    for k in range(6):
+        x = _inputs(rng, x.size, np.float32)
+        if late and k < 3:
+            time.sleep(0.01)
+        out = run_all_reduce(strategy, "sum", x)
+        assert out.tobytes() == _expected(comm, x, "sum").tobytes(), k
+    if not late:
+        assert any(r is None for r in returned[:3]) and any(type(r) is int for r in returned[3:]), returned
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_mismatch_against_a_repeated_large_call_raises_on_every_rank_and_leaves_the_strategy_usable(strategy, comm,
+                                                                                                    lane_mode):
+    a, b = np.ones(SIZES[1] // 4, np.float32), np.ones(SIZES[1] // 4 + 16, np.float32)
+    for _ in range(2):  # both planned on every rank: each rank's next call is a repeat
+        run_all_reduce(strategy, "sum", a)
+        run_all_reduce(strategy, "sum", b)
+    odd = comm.rank == comm.size - 1
+    with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce shapes"):
+        run_all_reduce(strategy, "sum", b if odd else a)
+    with pytest.raises(CollectiveMismatchError, match=r"Mismatched allreduce op"):
+        run_all_reduce(strategy, "max" if odd else "sum", a)
+    for _ in range(2):
+        assert np.all(run_all_reduce(strategy, "sum", a) == comm.size)
+        assert np.all(run_all_reduce(strategy, "sum", b) == comm.size)
