@@ -157,3 +157,21 @@ def test_a_mismatch_against_a_repeated_large_call_raises_on_every_rank_and_leave
     for _ in range(2):
         assert np.all(run_all_reduce(strategy, "sum", a) == comm.size)
         assert np.all(run_all_reduce(strategy, "sum", b) == comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_chunks_settled_after_a_size_was_laid_out_are_the_ones_every_rank_cuts(strategy, comm, lane_mode):
+    # MPISTRAT_SHM_CHUNK_BYTES=auto settles the chunk size at the first array of 4 MiB or more, after
+    # smaller arrays were reduce-scattered (and laid out for the kernel) in one pass: from then on the
+    # kernel must cut the chunks reduce_in_chunks cuts, or ranks on the Python path would meet it at other
+    # synchronisations. Set here as that measurement sets it, to a size that cuts this array.
+    x = np.arange(SIZES[2] // 8, dtype=np.float64) * (comm.rank + 1)
+    transport = strategy.extended._communicator.transports[1]
+    assert isinstance(transport, ShmTransport)
+    transport._set_chunk_bytes(0)
+    for _ in range(3):
+        assert np.array_equal(run_all_reduce(strategy, "sum", x), x / (comm.rank + 1) * (comm.size * (comm.size + 1) // 2))
+    transport._set_chunk_bytes(512 << 10)  # on every rank, as calibration.measure_chunks decides
+    assert transport.scatter_layout(x.size, x.dtype).chunk == 512 << 10
+    for _ in range(3):
+        assert np.array_equal(run_all_reduce(strategy, "sum", x), x / (comm.rank + 1) * (comm.size * (comm.size + 1) // 2))

@@ -206,7 +206,7 @@ class ShmTransport(Transport):
         self._tmp: dict[np.dtype, np.ndarray] = {}
         self._scratch = GrowableBuffers(lambda n, dt: np.empty(n, dtype=dt))
         self._plans: dict[tuple[int, np.dtype, int], ReducePlan] = {}
-        self._layouts: dict[tuple[int, np.dtype], ScatterLayout | None] = {}  # scatter_layout's answers
+        self._layouts: dict[tuple[int, np.dtype], ScatterLayout] = {}  # scatter_layout's answers
         self._bucket = 0
         self._pending: tuple[int, np.dtype] | None = None
         self._win_sync: Any = None  # the window's Win.Sync, bound
@@ -592,6 +592,7 @@ class ShmTransport(Transport):
     def _set_chunk_bytes(self, chunk_bytes: int | None) -> None:
         """Set ``chunk_bytes``, and the largest array reduced in one pass with one synchronisation."""
         self.chunk_bytes = chunk_bytes
+        self._layouts.clear()  # they cut the chunks as reduce_in_chunks did
         one_pass = self.direct_max_bytes
         self._one_pass_max = min(one_pass, chunk_bytes) if chunk_bytes else one_pass
 
