@@ -16,9 +16,10 @@ from mpistrat.comm.transport.shm.allreduce import ShmTransport
 
 from helpers import run_all_reduce
 
-# One pass (above the one-synchronisation limit, under a chunk); chunks with a short last chunk (reduced
-# with one synchronisation); chunks with a long last chunk (reduce-scattered too).
-SIZES = [300 << 10, (1 << 20) + 4160, (3 << 19) + 64]
+# Chunks of 512 KiB (the strategy fixture's): one pass (above the one-synchronisation limit, 256 KiB at
+# most, under a chunk); chunks with a short last chunk (reduced with one synchronisation); chunks with a
+# long last chunk (reduce-scattered too).
+SIZES = [300 << 10, (1 << 20) + 4160, (3 << 18) + 64]
 
 
 @pytest.fixture(params=["compiled", "python", "mixed"])
@@ -109,11 +110,16 @@ def test_repeated_large_calls_give_numpys_bits_in_local_rank_order_and_keep_ever
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("late_at, nbytes", [("round", SIZES[1]), ("first", SIZES[1]), ("tail", SIZES[1]),
+                                             ("second", SIZES[2])])
 def test_peers_late_at_the_check_or_at_a_chunks_synchronisation_hand_the_rest_to_the_python_path(comm, monkeypatch,
-                                                                                                returned):
-    # The last rank takes the Python path and sleeps before the call (the kernel's peers find the round late:
-    # None) or inside each reduce-scatter of a chunk (they find an epoch late: 2 * chunk + phase); either
-    # way they go on in Python from where the kernel stopped, to the same bits.
+                                                                                                returned, late_at,
+                                                                                                nbytes):
+    # The last rank takes the Python path and is late (5 ms) at one synchronisation of every call: the check's
+    # round (the kernel returns None), the first synchronisation of each chunk after the first (2 * chunk),
+    # the short last chunk's one synchronisation only (4: the third chunk's) or the second synchronisation
+    # of a chunk after the first (2 * chunk + 1). The kernel's ranks go on in Python from where it stopped,
+    # to the same bits.
     late = comm.rank == comm.size - 1
     monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "0" if late else "1")
     for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
@@ -121,25 +127,54 @@ def test_peers_late_at_the_check_or_at_a_chunks_synchronisation_hand_the_rest_to
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
     strategy = ms.MultiWorkerMirroredStrategy()
     rng = np.random.default_rng(comm.rank)
-    x = _inputs(rng, SIZES[1] // 4, np.float32)
+    x = _inputs(rng, nbytes // 4, np.float32)
     for _ in range(2):
         run_all_reduce(strategy, "sum", x)  # planned: the next calls repeat it
-    if late:
-        slow = ShmTransport._reduce_scatter
+    if late and late_at in ("first", "tail"):  # before staging a later chunk (or only the short last one)
+        stage = ShmTransport._allreduce_contiguous
 
-        def sleeping(self, *args, **kwargs):
-            time.sleep(0.005)
-            return slow(self, *args, **kwargs)
+        def staging_late(self, source, out, op, hook, shared=None, offset=0):
+            if offset and (late_at == "first" or out.nbytes <= self.direct_max_bytes):
+                time.sleep(0.005)
+            return stage(self, source, out, op, hook, shared, offset)
 
-        monkeypatch.setattr(ShmTransport, "_reduce_scatter", sleeping)
-    for k in range(6):
+        monkeypatch.setattr(ShmTransport, "_allreduce_contiguous", staging_late)
+    if late and late_at == "second":  # after a later chunk's first synchronisation, before its sums
+        scatter = ShmTransport._reduce_scatter
+
+        def summing_late(self, *args, **kwargs):
+            if args[5] if len(args) > 5 else kwargs.get("synced"):
+                return scatter(self, *args, **kwargs)  # chunk 0: the check stood for its first synchronisation
+            wait = self._sync.wait
+
+            def late_wait():
+                wait()
+                time.sleep(0.005)
+
+            self._sync.wait = late_wait  # its first synchronisation, then late
+            try:
+                return scatter(self, *args, **kwargs)
+            finally:
+                del self._sync.wait
+        monkeypatch.setattr(ShmTransport, "_reduce_scatter", summing_late)
+    returned.clear()
+    for k in range(8):
         x = _inputs(rng, x.size, np.float32)
-        if late and k < 3:
-            time.sleep(0.01)
+        comm.Barrier()  # where ranks outnumber cores, a rank late at every round would hide the later cases
+        if late and late_at == "round":
+            time.sleep(0.005)
         out = run_all_reduce(strategy, "sum", x)
         assert out.tobytes() == _expected(comm, x, "sum").tobytes(), k
     if not late:
-        assert any(r is None for r in returned[:3]) and any(type(r) is int for r in returned[3:]), returned
+        assert len(returned) == 8
+        if late_at == "round":
+            assert None in returned, returned
+        elif late_at == "first":
+            assert any(type(r) is int and r >= 2 and r % 2 == 0 for r in returned), returned
+        elif late_at == "tail":
+            assert 4 in returned, returned
+        else:
+            assert any(type(r) is int and r >= 3 and r % 2 == 1 for r in returned), returned
 
 
 @pytest.mark.mpi(min_size=2)

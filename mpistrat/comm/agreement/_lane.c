@@ -12,8 +12,8 @@
  *   mine:     item index of this rank's line for this round's parity (round word; h, aux, deadline after)
  *   lines:    bytes, int64 item index of every rank's line for this parity, in rank order
  *   src, dst: C-contiguous buffers of the call's bytes (dst writable, aliasing no slot); this rank's
- *             term of the sums is read from src where src and dst do not overlap and the GIL was held
- *             from the copy to the sums
+ *             term of the sums is read from src where src and dst do not overlap, src is aligned to its
+ *             items and the GIL was held from the copy to the sums
  *   slot:     address of this rank's slot; slots: bytes, uint64 address of every rank's slot, rank order
  *   kind:     KIND_* below (dtype and op); capacity: the bytes a slot holds
  * returns True (summed into dst), None (posted; a rank had not posted within ``spins`` polls and then
@@ -73,6 +73,10 @@ static int64_t now_ms(void) { /* int(time.time() * 1000), computed as Python doe
         }                                                                                            \
     } while (0)
 #define ADD_WRAP(T, U) (T)((U)x + (U)y)
+
+static Py_ssize_t kind_size(int kind) { /* the item size of a KIND_* */
+    return kind == KIND_SUM_F32 || kind == KIND_SUM_I32 || kind == KIND_MIN_I32 || kind == KIND_MAX_I32 ? 4 : 8;
+}
 
 static void reduce(int kind, void *dst, const char *const *terms, Py_ssize_t n, Py_ssize_t nbytes) {
     Py_ssize_t count;
@@ -204,7 +208,8 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
          * overwrite dst before a later term is read). The same bytes, so the same bits on every rank. */
         const char *terms[n];
         uintptr_t s0 = (uintptr_t)src.buf, d0 = (uintptr_t)dst.buf;
-        int own = arrived == 1 && (s0 + (uintptr_t)src.len <= d0 || d0 + (uintptr_t)dst.len <= s0);
+        int own = arrived == 1 && (s0 + (uintptr_t)src.len <= d0 || d0 + (uintptr_t)dst.len <= s0)
+                  && s0 % (uintptr_t)kind_size((int)kind) == 0; /* and it is read as the dtype's items */
         for (Py_ssize_t i = 0; i < n; i++)
             terms[i] = own && slots[i] == (uint64_t)(uintptr_t)slot ? (const char *)src.buf
                                                                      : (const char *)(uintptr_t)slots[i];
@@ -223,8 +228,8 @@ done:
  * scatter(table, mine, round, lines, h, aux, deadline, spins, src, dst, kind, segs, itemsize, chunk, direct,
  *         me, controls, blocks, slot, counters, words, epoch)
  *   table ... spins: the check's round, as for run
- *   src, dst: C-contiguous buffers of the call's bytes, not overlapping (NotImplemented, nothing done, if
- *             they do); dst private memory or this rank's result block ``slot``
+ *   src, dst: C-contiguous buffers of the call's bytes, not overlapping and aligned to their items
+ *             (NotImplemented, nothing done, if not); dst private memory or this rank's result block ``slot``
  *   segs:     bytes, uint64 address of every node rank's window segment (this bucket), local-rank order
  *   itemsize: the dtype's; chunk: bytes per chunk (0: one pass), a multiple of it and above ``direct``
  *   direct:   the largest chunk the window reduces with one synchronisation (the last may be one)
@@ -323,14 +328,18 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
                                           "one synchronisation");
         goto done;
     }
+    if (chunk == 0 || chunk > len)
+        chunk = len;
     uintptr_t s0 = (uintptr_t)src.buf, d0 = (uintptr_t)dst.buf;
-    if (!(s0 + (uintptr_t)len <= d0 || d0 + (uintptr_t)len <= s0)) {
-        result = Py_NotImplemented; /* in place: the Python path, which reads this rank's slice first */
+    /* The Python path where src and dst overlap (in place: it reads this rank's slice first) or src is not
+     * aligned to its items (read as them here), and where a late code would not be one of CPython's cached
+     * small ints (nothing may be allocated, so nothing can fail, after the post: 2 * chunks - 1 <= 256). */
+    if (!(s0 + (uintptr_t)len <= d0 || d0 + (uintptr_t)len <= s0) || s0 % (uintptr_t)itemsize
+        || d0 % (uintptr_t)itemsize || 2 * ((len + chunk - 1) / chunk) - 1 > 256) {
+        result = Py_NotImplemented;
         Py_INCREF(result);
         goto done;
     }
-    if (chunk == 0 || chunk > len)
-        chunk = len;
     char *seg = (char *)(uintptr_t)segs[me], *out = (char *)dst.buf;
     const char *in = (const char *)src.buf;
     {

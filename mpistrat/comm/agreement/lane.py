@@ -62,7 +62,7 @@ def compiled_lane(enabled: bool, check: FoldedCheck, guard: AgreementGuard | Non
         return None
     if isinstance(transport, SmallShmTransport):
         return CompiledLane(check, guard, guard.gather, transport, prepared, kind)
-    if isinstance(transport, ShmTransport):
+    if isinstance(transport, ShmTransport) and nbytes > transport.direct_max_bytes >= 0:  # it reduce-scatters
         return CompiledScatter(check, guard, guard.gather, transport, kind, op)
     return None
 
