@@ -130,25 +130,55 @@ static int wait_all(volatile int64_t *base, const int64_t *words, Py_ssize_t n, 
 #undef ARRIVED
 }
 
+/* The check's round of one call: the first eight arguments of both kernels (table, mine, round, lines, h,
+ * aux, deadline, spins; see run), and the number of ranks ``lines`` names. */
+typedef struct {
+    volatile int64_t *table;
+    Py_ssize_t mine, n;
+    int64_t round, h, aux, deadline;
+    long spins;
+    const int64_t *lines;
+} Round;
+
+/* Read a kernel's first eight arguments into ``r``; -1 with an exception set. */
+static int parse_round(PyObject *const *args, const char *kernel, Round *r) {
+    r->table = (volatile int64_t *)PyLong_AsVoidPtr(args[0]);
+    r->mine = PyLong_AsSsize_t(args[1]);
+    r->round = PyLong_AsLongLong(args[2]);
+    r->h = PyLong_AsLongLong(args[4]);
+    r->aux = PyLong_AsLongLong(args[5]);
+    r->deadline = PyLong_AsLongLong(args[6]);
+    r->spins = PyLong_AsLong(args[7]);
+    if (PyErr_Occurred())
+        return -1;
+    if (!PyBytes_Check(args[3]) || PyBytes_GET_SIZE(args[3]) / 8 < 2) {
+        PyErr_Format(PyExc_TypeError, "_lane.%s: lines are bytes naming two or more ranks", kernel);
+        return -1;
+    }
+    r->lines = (const int64_t *)PyBytes_AS_STRING(args[3]);
+    r->n = PyBytes_GET_SIZE(args[3]) / 8;
+    return 0;
+}
+
 /* Post this rank's round (``h``, ``aux``, ``deadline``, then the round number, after a fence) and wait
  * for every rank's (wait_all's result); after it returns nonzero, ``*common`` says whether every rank
  * posted this rank's ``h`` and ``aux`` with no deadline passed. */
-static int post_round(volatile int64_t *table, Py_ssize_t mine, const int64_t *lines, Py_ssize_t n, int64_t round,
-                      int64_t h, int64_t aux, int64_t deadline, long spins, int *common) {
-    table[mine + 1] = h;
-    table[mine + 2] = aux;
-    table[mine + 3] = deadline;
+static int post_round(const Round *r, int *common) {
+    volatile int64_t *table = r->table;
+    table[r->mine + 1] = r->h;
+    table[r->mine + 2] = r->aux;
+    table[r->mine + 3] = r->deadline;
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the data and the values before the round number */
-    table[mine] = round;
-    int arrived = wait_all(table, lines, n, round, 0, spins);
+    table[r->mine] = r->round;
+    int arrived = wait_all(table, r->lines, r->n, r->round, 0, r->spins);
     if (!arrived)
         return 0;
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the round numbers before the values and the data */
     int64_t now = now_ms();
-    int same = now <= deadline;
-    for (Py_ssize_t i = 0; i < n && same; i++) {
-        Py_ssize_t at = lines[i];
-        same = table[at + 1] == h && table[at + 2] == aux && table[at + 3] >= now;
+    int same = now <= r->deadline;
+    for (Py_ssize_t i = 0; i < r->n && same; i++) {
+        Py_ssize_t at = r->lines[i];
+        same = table[at + 1] == r->h && table[at + 2] == r->aux && table[at + 3] >= now;
     }
     *common = same;
     return arrived;
@@ -159,25 +189,22 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "_lane.run takes 14 arguments");
         return NULL;
     }
-    volatile int64_t *table = (volatile int64_t *)PyLong_AsVoidPtr(args[0]);
-    Py_ssize_t mine = PyLong_AsSsize_t(args[1]);
-    int64_t round = PyLong_AsLongLong(args[2]);
-    int64_t h = PyLong_AsLongLong(args[4]), aux = PyLong_AsLongLong(args[5]), deadline = PyLong_AsLongLong(args[6]);
-    long spins = PyLong_AsLong(args[7]);
+    Round check;
+    if (parse_round(args, "run", &check) < 0)
+        return NULL;
     char *slot = (char *)PyLong_AsVoidPtr(args[9]);
     long kind = PyLong_AsLong(args[12]);
     Py_ssize_t capacity = PyLong_AsSsize_t(args[13]);
     if (PyErr_Occurred())
         return NULL;
-    if (!PyBytes_Check(args[3]) || !PyBytes_Check(args[10]) || kind < 0 || kind >= KIND_COUNT) {
-        PyErr_SetString(PyExc_TypeError, "_lane.run: lines and slots are bytes, kind a KIND_* value");
+    if (!PyBytes_Check(args[10]) || kind < 0 || kind >= KIND_COUNT) {
+        PyErr_SetString(PyExc_TypeError, "_lane.run: slots are bytes, kind a KIND_* value");
         return NULL;
     }
-    const int64_t *lines = (const int64_t *)PyBytes_AS_STRING(args[3]);
-    Py_ssize_t n = PyBytes_GET_SIZE(args[3]) / 8;
+    Py_ssize_t n = check.n;
     const uint64_t *slots = (const uint64_t *)PyBytes_AS_STRING(args[10]);
-    if (n < 2 || PyBytes_GET_SIZE(args[10]) / 8 != n) {
-        PyErr_SetString(PyExc_ValueError, "_lane.run: lines and slots name the same two or more ranks");
+    if (PyBytes_GET_SIZE(args[10]) / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "_lane.run: lines and slots name the same ranks");
         return NULL;
     }
     /* Every argument is checked before the round is posted: an error here leaves the peers' round alone. */
@@ -195,7 +222,7 @@ static PyObject *lane_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     memcpy(slot, src.buf, (size_t)src.len);
     int common = 0;
-    int arrived = post_round(table, mine, lines, n, round, h, aux, deadline, spins, &common);
+    int arrived = post_round(&check, &common);
     if (!arrived) {
         result = Py_None;
         Py_INCREF(result);
@@ -277,11 +304,10 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "_lane.scatter takes 22 arguments");
         return NULL;
     }
-    volatile int64_t *table = (volatile int64_t *)PyLong_AsVoidPtr(args[0]);
-    Py_ssize_t mine = PyLong_AsSsize_t(args[1]);
-    int64_t round = PyLong_AsLongLong(args[2]);
-    int64_t h = PyLong_AsLongLong(args[4]), aux = PyLong_AsLongLong(args[5]), deadline = PyLong_AsLongLong(args[6]);
-    long spins = PyLong_AsLong(args[7]);
+    Round check;
+    if (parse_round(args, "scatter", &check) < 0)
+        return NULL;
+    long spins = check.spins;
     long kind = PyLong_AsLong(args[10]);
     Py_ssize_t itemsize = PyLong_AsSsize_t(args[12]), chunk = PyLong_AsSsize_t(args[13]);
     Py_ssize_t direct = PyLong_AsSsize_t(args[14]), me = PyLong_AsSsize_t(args[15]);
@@ -290,25 +316,23 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
     int64_t epoch = PyLong_AsLongLong(args[21]);
     if (PyErr_Occurred())
         return NULL;
-    PyObject *const lb = args[3], *sb = args[11], *cb = args[16], *kb = args[17], *wb = args[20];
-    if (!PyBytes_Check(lb) || !PyBytes_Check(sb) || !PyBytes_Check(cb) || !PyBytes_Check(kb) || !PyBytes_Check(wb)
-        || kind < 0 || kind >= KIND_COUNT) {
-        PyErr_SetString(PyExc_TypeError, "_lane.scatter: lines, segs, controls, blocks and words are bytes, kind a "
-                                         "KIND_* value");
+    PyObject *const sb = args[11], *cb = args[16], *kb = args[17], *wb = args[20];
+    if (!PyBytes_Check(sb) || !PyBytes_Check(cb) || !PyBytes_Check(kb) || !PyBytes_Check(wb) || kind < 0
+        || kind >= KIND_COUNT) {
+        PyErr_SetString(PyExc_TypeError, "_lane.scatter: segs, controls, blocks and words are bytes, kind a KIND_* "
+                                         "value");
         return NULL;
     }
-    Py_ssize_t n = PyBytes_GET_SIZE(lb) / 8;
+    Py_ssize_t n = check.n;
     Py_ssize_t ncontrols = PyBytes_GET_SIZE(cb) / 8;
-    if (n < 2 || PyBytes_GET_SIZE(sb) / 8 != n || PyBytes_GET_SIZE(wb) / 8 != n || me < 0 || me >= n
+    if (PyBytes_GET_SIZE(sb) / 8 != n || PyBytes_GET_SIZE(wb) / 8 != n || me < 0 || me >= n
         || (ncontrols != 0 && (ncontrols != n || PyBytes_GET_SIZE(kb) / 8 != SLOTS * n)) || slot < -1
         || slot >= SLOTS || (ncontrols == 0 && slot != -1) || itemsize <= 0 || chunk < 0 || chunk % itemsize
         || (chunk && chunk <= direct)) {
-        PyErr_SetString(PyExc_ValueError, "_lane.scatter: lines, segs, controls, blocks and words name the same two "
-                                          "or more ranks, me one of them, slot -1 or a block, chunk whole items "
-                                          "above direct");
+        PyErr_SetString(PyExc_ValueError, "_lane.scatter: lines, segs, controls, blocks and words name the same "
+                                          "ranks, me one of them, slot -1 or a block, chunk whole items above direct");
         return NULL;
     }
-    const int64_t *lines = (const int64_t *)PyBytes_AS_STRING(lb);
     const uint64_t *segs = (const uint64_t *)PyBytes_AS_STRING(sb);
     const uint64_t *controls = (const uint64_t *)PyBytes_AS_STRING(cb);
     const uint64_t *blocks = (const uint64_t *)PyBytes_AS_STRING(kb);
@@ -367,7 +391,7 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
                 if (ncontrols)
                     *(volatile int64_t *)(uintptr_t)controls[me] = slot; /* published before the round */
                 int common = 0;
-                if (!post_round(table, mine, lines, n, round, h, aux, deadline, spins, &common)) {
+                if (!post_round(&check, &common)) {
                     result = Py_None;
                     Py_INCREF(result);
                     goto done;

@@ -208,8 +208,8 @@ class CompiledLane(FoldedLane):
 class CompiledScatter(FoldedLane):
     """``shm``'s reduce-scatter of one array (copy of the peers' slices into this rank's segment, the
     published result block, the round, the sums and pushes of this rank's slice, the second
-    synchronisation, the copy out) in one ``_lane.scatter``, where the transport takes it in one pass
-    (:meth:`ShmTransport.scatter_layout`)."""
+    synchronisation, the copy out; chunk by chunk) in one ``_lane.scatter``, where nothing collective comes
+    first (:meth:`ShmTransport.scatter_layout`)."""
 
     __slots__ = ("_op",)
 
@@ -232,8 +232,7 @@ class CompiledScatter(FoldedLane):
         return _lane.scatter(self._table, mine, round_, self._lines[round_ & 1], self._h, self._aux, deadline,
                              self._guard._spins, src, dst, self._kind, layout.segments[self._transport._bucket],
                              layout.itemsize, layout.chunk, layout.direct, layout.me, layout.controls, layout.blocks,
-                             slot,
-                             layout.counters, layout.words, layout.sync.epoch)
+                             slot, layout.counters, layout.words, layout.sync.epoch)
 
     def _after(self, ready: Any, out: Any, src: np.ndarray, dst: np.ndarray) -> None:
         layout = ready[0]
