@@ -210,3 +210,41 @@ def test_chunks_settled_after_a_size_was_laid_out_are_the_ones_every_rank_cuts(s
     assert transport.scatter_layout(x.size, x.dtype).chunk == 512 << 10
     for _ in range(3):
         assert np.array_equal(run_all_reduce(strategy, "sum", x), x / (comm.rank + 1) * (comm.size * (comm.size + 1) // 2))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_the_kernel_stages_its_data_before_it_posts_the_check(comm, monkeypatch):
+    # What test_comm_check_overlap.py pins down for the Python path, seen from a peer here: by the time rank
+    # 0's round of the check is visible, its segment holds this call's data in the slices its peers sum.
+    last = comm.size - 1
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1" if comm.rank == 0 else "0")
+    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
+    strategy = ms.MultiWorkerMirroredStrategy()
+    count = SIZES[0] // 4
+    for _ in range(2):
+        run_all_reduce(strategy, "sum", np.ones(count, np.float32))
+    seen = []
+    if comm.rank == last:  # on the Python path: its data staged, its round not yet posted
+        gather = strategy.extended._communicator._guard.gather
+        staged = ShmTransport._staged
+
+        def watching(self, hook):
+            current = gather._round + 1
+            word = gather._rounds[current & 1][0]  # rank 0's round word
+            until = time.monotonic() + 20
+            while gather._items[word] != current and time.monotonic() < until:
+                pass
+            self._win_sync()
+            lo, hi = self._own_slice(count, 4)
+            seen.append(self._typed(self._bucket, np.dtype(np.float32))[0][lo:hi].copy())
+            return staged(self, hook)
+
+        monkeypatch.setattr(ShmTransport, "_staged", watching)
+    for k in range(3):
+        out = run_all_reduce(strategy, "sum", np.full(count, comm.rank + 1.0 + 10 * k, np.float32))
+        assert np.all(out == comm.size * (comm.size + 1) / 2 + 10 * k * comm.size)
+    if comm.rank == last:
+        assert len(seen) == 3 and all(np.all(s == 1.0 + 10 * k) for k, s in enumerate(seen)), seen
