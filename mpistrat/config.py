@@ -27,6 +27,7 @@ __all__ = [
     "l2_cache_bytes",
     "default_chunk_bytes",
     "cache_block_bytes",
+    "update_block_bytes",
 ]
 
 PREFIX = "MPISTRAT_"
@@ -144,11 +145,22 @@ def l2_cache_bytes() -> int | None:
 def cache_block_bytes() -> tuple[int, str]:
     """A block of an eighth of L2 (a power of two, at least 16 KiB; 256 KiB when L2 is unknown), so that
     the blocks one pass of an array operation touches together stay in cache; and where that came from.
-    The shared-memory reduce's default block (up to seven ranks' blocks at once) and the optimizers'."""
+    The shared-memory reduce's default block (up to seven ranks' blocks at once)."""
     l2 = l2_cache_bytes()
     if l2 is None:
         return 256 << 10, "default"
     return 1 << max(14, (l2 // 8).bit_length() - 1), "hardware"
+
+
+def update_block_bytes() -> tuple[int, str]:
+    """The optimizers' update block (train/kernels.py): half of L2 (a power of two, at least 64 KiB; 512 KiB
+    when L2 is unknown), so a rule's scratch block stays in cache and each block's few NumPy calls are
+    spread over much data (an eighth of L2 cost twice as much per variable: benchmarks/README.md); and
+    where that came from."""
+    l2 = l2_cache_bytes()
+    if l2 is None:
+        return 512 << 10, "default"
+    return 1 << max(16, (l2 // 2).bit_length() - 1), "hardware"
 
 
 def default_chunk_bytes() -> tuple[int, str]:

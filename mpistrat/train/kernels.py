@@ -6,13 +6,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from mpistrat.config import cache_block_bytes
+from mpistrat.config import update_block_bytes
 
 __all__ = ["BLOCK_BYTES", "adam", "applies", "momentum", "nesterov", "sgd", "worth"]
 
 # A rule passes over one block of each array (and scratch blocks) before the next, so each array crosses
 # memory once per step; NumPy's whole-array expressions write every temporary out and read it back.
-BLOCK_BYTES = cache_block_bytes()[0]
+BLOCK_BYTES = update_block_bytes()[0]
 
 _add, _subtract, _multiply, _divide, _sqrt = np.add, np.subtract, np.multiply, np.divide, np.sqrt
 # NumPy 1 promotes a Python float by its value (NEP 50 made it weak in NumPy 2).
