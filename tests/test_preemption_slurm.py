@@ -53,7 +53,7 @@ def test_a_preempted_job_requeues_resumes_and_ends_bitwise_equal(slurm_cluster, 
     submitted = slurm_cluster.run(["sbatch", "--parsable", f"--output={log}", "--time=5", *SMALL, str(TEMPLATE)], timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
-    deadline, signalled = time.monotonic() + 300, False
+    deadline, signalled, pending_since = time.monotonic() + 300, False, None
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
         if not signalled and f"epoch 2/{EPOCHS}" in text:
@@ -65,8 +65,13 @@ def test_a_preempted_job_requeues_resumes_and_ends_bitwise_equal(slurm_cluster, 
             break
         if state == "COMPLETED" and restarts == 0:
             pytest.fail(f"job {job_id} completed without being preempted (signalled: {signalled}):\n{text}")
-        if state == "PENDING" and restarts >= 1:  # requeued: Slurm holds it (BeginTime) a while; start it now
-            slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
+        if state == "PENDING" and restarts >= 1:  # requeued: Slurm holds it (BeginTime) a while; start it sooner,
+            # but not within the second its old credential was revoked in: slurmd refuses a credential made in
+            # that second (Slurm's cred_revoked: ctime <= revoked, in seconds; "Job credential revoked", the
+            # job FAILED), which a fast machine reached.
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since >= 2.0:
+                slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
         if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
             pytest.fail(f"job {job_id} ended {state}:\n{text}\n{slurm_cluster.logs()}")
         time.sleep(0.5 if signalled else 0.05)
