@@ -12,7 +12,7 @@ import mmap
 import sys
 import warnings
 import weakref
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -303,6 +303,11 @@ class CounterSync(NodeSync):
             self._ctr.release()  # no view left: the counters' window can be unmapped
         self._ctr = None
         self._counters.free()
+
+
+def addresses(arrays: Iterable[np.ndarray]) -> bytes:
+    """The arrays' data addresses, in order, as native uint64 bytes: what a compiled kernel (``_lane.c``) reads."""
+    return np.array([a.__array_interface__["data"][0] for a in arrays], np.uint64).tobytes()
 
 
 def make_sync(window: SharedWindow, kind: str, **kwargs) -> NodeSync:

@@ -23,6 +23,7 @@ from mpistrat.comm.runtime.shm_window import (
     CounterSync,
     NodeSync,
     SharedWindow,
+    addresses,
     exiting_cleanly,
     make_sync,
 )
@@ -445,8 +446,7 @@ class ShmTransport(Transport):
         chunk = self.chunk_bytes // dtype.itemsize if self.chunk_bytes else 0  # reduce_in_chunks's chunks
         if 0 < chunk < count and chunk * dtype.itemsize <= self.direct_max_bytes:
             return None  # every chunk in one synchronisation: the Python path
-        address = lambda a: a.__array_interface__["data"][0]  # noqa: E731
-        segments = tuple(np.array([address(v) for v in self._typed(b, dtype)], np.uint64).tobytes() for b in (0, 1))
+        segments = (addresses(self._typed(0, dtype)), addresses(self._typed(1, dtype)))
         layout = ScatterLayout(segments, self._local_rank(), count, dtype.itemsize, chunk, self.direct_max_bytes,
                                self.result_blocks.shared_results(count, dtype), self._sync)
         if len(self._layouts) >= _PLAN_CACHE:

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.comm.runtime.shm_window import PAGE_SIZE, SharedWindow
+from mpistrat.comm.runtime.shm_window import PAGE_SIZE, SharedWindow, addresses
 from mpistrat.comm.transport.base import ResultBlockSet, ResultBlockSource
 
 __all__ = ["MAX_BYTES", "PRIVATE", "SLOTS", "ResultBlocks", "SharedResults"]
@@ -104,10 +104,7 @@ class SharedResults(ResultBlockSet):
     def addresses(self) -> tuple[bytes, bytes]:
         """For a compiled kernel: every rank's control word and every rank's :data:`SLOTS` blocks, as native
         uint64 addresses in rank order (blocks rank by rank)."""
-        address = lambda a: a.__array_interface__["data"][0]  # noqa: E731
-        controls = np.array([address(c) for c in self._controls], np.uint64).tobytes()
-        blocks = np.array([address(b) for row in self._blocks for b in row], np.uint64).tobytes()
-        return controls, blocks
+        return addresses(self._controls), addresses(b for row in self._blocks for b in row)
 
     def retire(self) -> None:
         """Never hand out the published block again (its call failed: owners may still write)."""

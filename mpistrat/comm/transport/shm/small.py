@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from mpistrat import ops
 from mpistrat.comm.options import CommunicationImplementation
-from mpistrat.comm.runtime.shm_window import NodeSync, SharedWindow, make_sync
+from mpistrat.comm.runtime.shm_window import NodeSync, SharedWindow, addresses, make_sync
 from mpistrat.comm.runtime.topology import Topology
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, RepeatTransport, TransportContext
 from mpistrat.comm.transport.shm.allreduce import (
@@ -164,8 +164,7 @@ class SmallShmTransport(RepeatTransport):
         every rank's, in local-rank order, as native uint64 bytes (what the compiled lane reads)."""
         views = prepared[0]
         return tuple(
-            (mine.__array_interface__["data"][0],
-             np.array([v.__array_interface__["data"][0] for v in every], np.uint64).tobytes())
+            (mine.__array_interface__["data"][0], addresses(every))
             for mine, every in views[:2])  # type: ignore[return-value]
 
     def close(self) -> None:
