@@ -9,4 +9,9 @@ setup(ext_modules=[
     Extension("mpistrat.comm.agreement._lane", ["mpistrat/comm/agreement/_lane.c"], optional=True),
     # A call's list of arrays matched against its plan's signature and packed (comm/signature.py, fusion.py).
     Extension("mpistrat.comm._arraylist", ["mpistrat/comm/_arraylist.c"], optional=True),
+    # The optimizers' update rules in one pass (mpistrat/train/kernels.py). Their bits are NumPy's only
+    # with nothing contracted into fused multiply-adds (which -march flags with FMA would otherwise allow);
+    # without errno, sqrt vectorizes.
+    Extension("mpistrat.train._update", ["mpistrat/train/_update.c"], optional=True,
+              extra_compile_args=["-ffp-contract=off", "-fno-math-errno"]),
 ])

@@ -57,9 +57,20 @@ def kernel_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def rules(request, monkeypatch):
+    """Each test below twice: with the compiled rules (``_update.c``, float32 and float64) and with the
+    NumPy rules block by block (the only ones for other dtypes, and where the extension did not build)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(kernels, "_update", None)
+    else:
+        assert kernels._update is not None, "mpistrat.train._update was not built: pip install -e . with a C compiler"
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("shape", [(0,), *SHAPES])
-def test_kernels_have_the_bits_of_numpy_expressions(dtype, shape):
+def test_kernels_have_the_bits_of_numpy_expressions(dtype, shape, rules):
     rng = np.random.default_rng(sum(shape))
     p, v, m, g = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
     v2 = np.abs(v)  # Adam's second moment
@@ -83,6 +94,89 @@ def test_kernels_have_the_bits_of_numpy_expressions(dtype, shape):
     assert _same(m1, new_m)
     assert _same(m2, new_v)
     assert _same(param, p - lr * new_m / (np.sqrt(new_v) + eps))
+
+
+def _special(dtype: str, n: int, seed: int) -> np.ndarray:
+    """Normal values with every kind of special one among them: infinities, NaN, signed zeros,
+    subnormals, the largest and the smallest normal numbers."""
+    info = np.finfo(dtype)
+    values = np.random.default_rng(seed).standard_normal(n).astype(dtype)
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, info.max, -info.max, info.tiny, info.smallest_subnormal,
+                        -info.smallest_subnormal, 3 * info.smallest_subnormal], dtype)
+    values[seed:seed + 7 * special.size:7] = special
+    return values
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_compiled_rules_have_the_numpy_rules_bits_on_special_values(dtype, monkeypatch):
+    n = 3 * STEP32 + 11
+    compiled = kernels._update
+    assert compiled is not None, "mpistrat.train._update was not built: pip install -e . with a C compiler"
+    inputs = [_special(dtype, n, seed) for seed in range(1, 5)]  # param, slot, slot, grad
+    inputs[2] = np.abs(inputs[2])  # Adam's second moment (its NaN stays)
+    calls = {"sgd": lambda p, a, b, g: kernels.sgd(p, g, 1.5e-3),
+             "momentum": lambda p, a, b, g: kernels.momentum(p, a, g, 0.25, 0.9),
+             "nesterov": lambda p, a, b, g: kernels.nesterov(p, a, g, 3.0, 0.99),
+             "adam": lambda p, a, b, g: kernels.adam(p, a, b, g, 1e-3, 0.9, 0.999, 1e-7)}
+    for name, call in calls.items():
+        results = []
+        for module in (compiled, None):
+            monkeypatch.setattr(kernels, "_update", module)
+            arrays = [x.copy() for x in inputs]
+            with np.errstate(all="ignore"):
+                call(*arrays)
+            results.append(arrays)
+        for got, want in zip(*results):
+            assert _same(got, want), name
+
+
+def test_compiled_rules_report_floating_point_errors_as_numpy_does(capsys):
+    assert kernels._update is not None, "mpistrat.train._update was not built: pip install -e . with a C compiler"
+    n = 2 * STEP32
+    grad = np.ones(n, np.float32)
+    grad[-1] = 3e38  # overflows in the product
+    with np.errstate(over="warn"), pytest.warns(RuntimeWarning, match="overflow encountered in sgd"):
+        param = np.zeros(n, np.float32)
+        kernels.sgd(param, grad, 1e3)
+    assert param[-1] == -np.inf and param[0] == np.float32(-1e3)
+    with np.errstate(over="print"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels.sgd(np.zeros(n, np.float32), grad, 1e3)
+    assert capsys.readouterr().out == "Warning: overflow encountered in sgd\n"
+    with np.errstate(over="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels.sgd(np.zeros(n, np.float32), grad, 1e3)
+    # Adam's second moment made negative: sqrt's invalid value, a NaN step
+    param, m, v = np.zeros(n, np.float32), np.zeros(n, np.float32), np.full(n, -1.0, np.float32)
+    with np.errstate(invalid="warn"), pytest.warns(RuntimeWarning, match="invalid value encountered in adam"):
+        kernels.adam(param, m, v, np.ones(n, np.float32), 1e-3, 0.9, 0.999, 1e-7)
+    assert np.isnan(param).all()
+    # raise (or call, log): the NumPy rules run, and NumPy raises where it meets the error, as before
+    param = np.zeros(n, np.float32)
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError, match="overflow encountered in multiply"):
+        kernels.sgd(param, grad, 1e3)
+    assert param[0] == np.float32(-1e3) and param[-1] == 0  # the NumPy rules stopped in the last block
+
+
+def test_compiled_rules_leave_what_they_do_not_take_untouched():
+    compiled = kernels._update
+    assert compiled is not None, "mpistrat.train._update was not built: pip install -e . with a C compiler"
+    grad = np.ones(10, np.float32)
+    read_only = np.zeros(10, np.float32)
+    read_only.flags.writeable = False
+    cases = [np.zeros(10, np.float16), np.zeros(10, ">f4"), np.zeros(20, np.float32)[::2], np.zeros(11, np.float32),
+             np.zeros(10, np.float64), np.zeros(10, np.int32), read_only]
+    for param in cases:
+        before = param.copy()
+        assert compiled.sgd(param, grad, 0.5) is NotImplemented, param
+        assert compiled.momentum(param, param.copy(), grad, 0.5, 0.9, False) is NotImplemented
+        assert compiled.adam(param, param.copy(), param.copy(), grad, 0.5, 0.9, 0.1, 0.999, 0.001, 1e-7) is NotImplemented
+        assert _same(param, before)
+    param, velocity = np.zeros(10, np.float32), np.zeros(10, np.float32)
+    assert compiled.momentum(param, velocity[::1], grad[:9], 0.5, 0.9, True) is NotImplemented  # lengths differ
+    assert compiled.sgd(np.zeros(10, np.float32), grad, 0.5) == 0  # no error raised
+    with pytest.raises(TypeError):
+        compiled.sgd(np.zeros(10, np.float32), grad, "0.5")
 
 
 def test_kernels_refuse_arrays_they_would_copy():

@@ -1,22 +1,34 @@
-"""Optimizer update rules on NumPy arrays, in place, one cache-sized block at a time."""
+"""Optimizer update rules on NumPy arrays, in place, in one pass over each array."""
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+import warnings
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from mpistrat.config import update_block_bytes
 
+try:  # the rules compiled (built by pip install where a C compiler is): one pass, no scratch
+    from mpistrat.train import _update
+except ImportError:
+    _update = None
+
 __all__ = ["BLOCK_BYTES", "adam", "applies", "momentum", "nesterov", "sgd", "worth"]
 
-# A rule passes over one block of each array (and scratch blocks) before the next, so each array crosses
-# memory once per step; NumPy's whole-array expressions write every temporary out and read it back.
+# Every rule reads and writes each array once per step; NumPy's whole-array expressions write every
+# temporary out and read it back. The compiled rules (float32 and float64) go element by element; the
+# NumPy ones pass over one block of each array (and scratch blocks) before the next.
 BLOCK_BYTES = update_block_bytes()[0]
 
 _add, _subtract, _multiply, _divide, _sqrt = np.add, np.subtract, np.multiply, np.divide, np.sqrt
 # NumPy 1 promotes a Python float by its value (NEP 50 made it weak in NumPy 2).
 _VALUE_BASED = np.lib.NumpyVersion(np.__version__) < "2.0.0"
+# NumPy's error modes the compiled rules report as NumPy would; under the others (raise, call, log) the
+# NumPy rules run, so that an error is handled where NumPy handles it.
+_REPORTED = frozenset({"ignore", "warn", "print"})
+_ERRORS = ((1, "divide", "divide by zero"), (2, "over", "overflow"), (4, "under", "underflow"),
+           (8, "invalid", "invalid value"))  # NumPy's numbers (NPY_FPE_*), np.geterr's keys, its words
 
 
 def worth(grad: object) -> bool:
@@ -59,8 +71,31 @@ def _blocks(arrays: Sequence[np.ndarray], scratch: int) -> Iterator[list[np.ndar
         yield [f[start:end] for f in flat] + [t[:size] for t in tmp]
 
 
+def _compiled(rule: Any, name: str, *args: Any) -> bool:
+    """Whether the compiled ``rule(*args)`` ran (its arrays float32 or float64); its floating-point errors
+    reported as NumPy reports them for an operation called ``name``, after the whole update."""
+    if rule is None:
+        return False
+    modes = np.geterr()
+    if not _REPORTED.issuperset(modes.values()):
+        return False
+    raised = rule(*args)
+    if raised is NotImplemented:
+        return False
+    for bit, key, words in _ERRORS:
+        if raised & bit and modes[key] != "ignore":
+            message = f"{words} encountered in {name}"
+            if modes[key] == "warn":
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            else:
+                print(f"Warning: {message}")
+    return True
+
+
 def sgd(param: np.ndarray, grad: np.ndarray, lr: float) -> None:
     """``param -= lr * grad``."""
+    if _compiled(_update and _update.sgd, "sgd", param, grad, lr):
+        return
     for p, g, t in _blocks((param, grad), 1):
         _multiply(g, lr, out=t)
         _subtract(p, t, out=p)
@@ -78,6 +113,9 @@ def nesterov(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: floa
 
 def _momentum(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float,
               nesterov: bool) -> None:
+    if _compiled(_update and _update.momentum, "nesterov" if nesterov else "momentum", param, velocity, grad,
+                 lr, mu, nesterov):
+        return
     for p, v, g, t, u in _blocks((param, velocity, grad), 2):
         _multiply(v, mu, out=t)
         _multiply(g, lr, out=u)
@@ -95,6 +133,8 @@ def adam(param: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, lr: 
     """``m = beta_1 m + (1 - beta_1) grad``; ``v = beta_2 v + (1 - beta_2) grad^2``;
     ``param -= lr * m / (sqrt(v) + epsilon)``."""
     keep_1, keep_2 = 1 - beta_1, 1 - beta_2
+    if _compiled(_update and _update.adam, "adam", param, m, v, grad, lr, beta_1, keep_1, beta_2, keep_2, epsilon):
+        return
     for p, mb, vb, g, t, u in _blocks((param, m, v, grad), 2):
         _multiply(mb, beta_1, out=t)
         _multiply(g, keep_1, out=u)
