@@ -6,6 +6,7 @@ ranks, 3 uneven) nodes so the hierarchical path runs on one machine.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 import weakref
@@ -15,7 +16,7 @@ import pytest
 from mpi4py import MPI
 
 from mpistrat import config, ops
-from mpistrat.comm.runtime.topology import node_layout
+from mpistrat.comm.runtime.topology import node_layout, topology
 from mpistrat.comm.runtime.waiter import OVERSUBSCRIBED_YIELDS, ranks_outnumber_cores
 from mpistrat.comm.transport.shm import allreduce as shm_allreduce
 from mpistrat.comm.transport.shm import calibration as shm_calibration
@@ -612,19 +613,41 @@ def test_every_rank_reads_the_whole_result_from_its_own_segment(backend):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_long_arrays_go_in_chunks_of_half_the_l2_cache_by_default(monkeypatch):
+@pytest.mark.parametrize("outnumbered", [False, True])
+def test_long_arrays_go_in_chunks_of_half_the_l2_cache_by_default(monkeypatch, outnumbered):
+    """By default long arrays go in chunks of half of L2, unless the ranks of a node outnumber its cores:
+    then in one pass, on every rank (here only the last rank's answer says so). A size the user gives,
+    as an argument or in the environment, stands either way."""
     monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
     monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
-    b = ShmTransport(MPI.COMM_WORLD, min_bytes=0)
+    comm = MPI.COMM_WORLD
     chunk, source = config.default_chunk_bytes()
     l2 = config.l2_cache_bytes()
     assert source == ("default" if l2 is None else "hardware")
     assert chunk == (1 << 20 if l2 is None else max(1 << 18, 1 << ((l2 // 2).bit_length() - 1)))
+    split = topology(comm)
+    forced = dataclasses.replace(split, oversubscribed=outnumbered and comm.rank == comm.size - 1)
     try:
-        assert b.chunk_bytes == chunk and b._chunk_items(4 << 20, np.dtype(np.float64)) == chunk // 8
-        assert shm_calibration.CHUNK_DECISIONS == {}, "nothing measured"
+        b = ShmTransport(comm, topology=forced, min_bytes=0)
+        try:
+            want = 0 if outnumbered else chunk
+            assert b.chunk_bytes == want and b._chunk_items(4 << 20, np.dtype(np.float64)) == want // 8
+            assert shm_calibration.CHUNK_DECISIONS == {}, "nothing measured"
+        finally:
+            b.close()
+        b = ShmTransport(comm, topology=forced, min_bytes=0, chunk_bytes=1 << 20)
+        try:
+            assert b.chunk_bytes == 1 << 20
+        finally:
+            b.close()
+        monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(chunk))  # the default's size, given
+        b = ShmTransport(comm, topology=forced, min_bytes=0)
+        try:
+            assert b.chunk_bytes == chunk
+        finally:
+            b.close()
     finally:
-        b.close()
+        split.free()
 
 
 @pytest.mark.mpi(min_size=2)

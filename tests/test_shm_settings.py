@@ -10,9 +10,10 @@ def test_defaults_and_environment(monkeypatch):
     for name in ("MAX", "BLOCK", "CHUNK", "MIN"):
         monkeypatch.delenv(f"MPISTRAT_SHM_{name}_BYTES", raising=False)
     block, chunk = config.settings().shm_block_bytes, config.default_chunk_bytes()[0]  # from the L2 cache
-    assert read_settings() == ShmSettings(64 << 20, block, chunk, None, "counter")
+    assert read_settings() == ShmSettings(64 << 20, block, chunk, None, "counter", chunk_default=True)
+    assert not read_settings(chunk_bytes=chunk).chunk_default  # the same size, given
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "auto")  # left to measurement
-    assert read_settings().chunk_bytes is None
+    assert read_settings().chunk_bytes is None and not read_settings().chunk_default
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "off")
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "1M")
     monkeypatch.setenv("MPISTRAT_SHM_MAX_BYTES", "32M")
@@ -42,6 +43,9 @@ def test_agreement_takes_the_smallest_given_value():
     assert agree_settings([auto, auto]) == auto
     off = ShmSettings(8 << 20, 256 << 10, None, NEVER, "counter")
     assert agree_settings([off, auto]).min_bytes == (8 << 20) + 1  # "off": above the agreed max_bytes
+    default = ShmSettings(8 << 20, 256 << 10, 1 << 20, None, "counter", chunk_default=True)
+    assert agree_settings([default, default]).chunk_default
+    assert not agree_settings([default, default._replace(chunk_default=False)]).chunk_default  # given on one rank
 
 
 def test_different_sync_kinds_are_refused_naming_the_ranks():

@@ -219,7 +219,14 @@ class ShmTransport(Transport):
         else:
             self.min_bytes = MIN_BYTES
         self._one_pass_max = self.direct_max_bytes  # see _set_chunk_bytes
-        self._set_chunk_bytes(agreed.chunk_bytes)
+        chunk_bytes = agreed.chunk_bytes
+        if agreed.chunk_default and lay.comm.allreduce(self.topology.oversubscribed, op=MPI.LOR):
+            # Where a node's ranks outnumber its cores, each chunk's two synchronisations cost scheduler
+            # hand-overs, more than the cache saves: the default takes long arrays in one pass (2x faster
+            # at 4-16 MiB with 4 ranks on 2 cores, benchmarks/README.md). A rule on counts, the same on
+            # every rank; chunks never change the order of a sum.
+            chunk_bytes = 0
+        self._set_chunk_bytes(chunk_bytes)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod

@@ -18,13 +18,15 @@ SYNC_KINDS = ("barrier", "counter")
 
 
 class ShmSettings(NamedTuple):
-    """One rank's settings; None where the value is measured (``auto``)."""
+    """One rank's settings; None where the value is measured (``auto``); ``chunk_default``: the chunk is
+    the default's (half of L2), given neither as an argument nor in the environment."""
 
     max_bytes: int
     block_bytes: int
     chunk_bytes: int | None
     min_bytes: int | None
     sync: str
+    chunk_default: bool = False
 
 
 def _byte_count(name: str, value: object, minimum: int) -> int:
@@ -53,6 +55,7 @@ def read_settings(
     env = config.settings() if env is None else env
     max_bytes = env.shm_max_bytes if max_bytes is None else max_bytes
     block_bytes = env.shm_block_bytes if block_bytes is None else block_bytes
+    chunk_default = chunk_bytes is None and env.sources.get("shm_chunk_bytes") != "environment"
     chunk_bytes = env.shm_chunk_bytes if chunk_bytes is None else chunk_bytes
     if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
         chunk_bytes = None
@@ -71,6 +74,7 @@ def read_settings(
         chunk_bytes=None if chunk_bytes is None else _byte_count("chunk_bytes (0: no chunks, or 'auto')", chunk_bytes, 0),
         min_bytes=None if min_bytes is None else _byte_count("min_bytes", min_bytes, 0),
         sync=sync,
+        chunk_default=chunk_default,
     )
 
 
@@ -83,7 +87,7 @@ def agree_settings(per_rank: Sequence[ShmSettings]) -> ShmSettings:
     """The settings every rank uses, from all ranks' (the same list on every rank, so the same answer).
 
     Sizes: the smallest given over the ranks (a value given on some ranks wins
-    over ``auto`` on the others). The synchronisation kind must be the same
+    over ``auto`` on the others); the chunk is the default's where it is on every rank. The synchronisation kind must be the same
     everywhere: ValueError otherwise.
     """
     kinds = sorted({s.sync for s in per_rank})
@@ -99,4 +103,5 @@ def agree_settings(per_rank: Sequence[ShmSettings]) -> ShmSettings:
         chunk_bytes=_smallest([s.chunk_bytes for s in per_rank]),
         min_bytes=None if min_bytes is None else min(min_bytes, max_bytes + 1),
         sync=kinds[0],
+        chunk_default=all(s.chunk_default for s in per_rank),
     )
