@@ -25,6 +25,8 @@ __all__ = [
     "parse_bytes",
     "parse_bool",
     "l2_cache_bytes",
+    "last_level_cache_bytes",
+    "node_chunk_bytes",
     "default_chunk_bytes",
     "cache_block_bytes",
     "update_block_bytes",
@@ -125,21 +127,35 @@ class Variable:
     help: str
 
 
-def l2_cache_bytes() -> int | None:
-    """The size of CPU 0's level-2 cache in bytes (Linux sysfs), or None when unknown."""
+def _cache_sizes() -> dict[int, int]:
+    """CPU 0's data or unified caches (Linux sysfs): size in bytes by level; empty when unknown."""
     base = "/sys/devices/system/cpu/cpu0/cache"
+    sizes: dict[int, int] = {}
     try:
         for entry in sorted(os.listdir(base)):
             if not entry.startswith("index"):
                 continue
-            with open(os.path.join(base, entry, "level")) as f:
-                if f.read().strip() != "2":
+            with open(os.path.join(base, entry, "type")) as f:
+                if f.read().strip() == "Instruction":
                     continue
+            with open(os.path.join(base, entry, "level")) as f:
+                level = int(f.read().strip())
             with open(os.path.join(base, entry, "size")) as f:
-                return parse_bytes(f.read().strip(), "L2 cache size")
+                sizes[level] = parse_bytes(f.read().strip(), f"L{level} cache size")
     except (OSError, ValueError):
-        return None
-    return None
+        return {}
+    return sizes
+
+
+def l2_cache_bytes() -> int | None:
+    """The size of CPU 0's level-2 cache in bytes (Linux sysfs), or None when unknown."""
+    return _cache_sizes().get(2)
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of CPU 0's last-level cache (level 3 or more) in bytes (Linux sysfs), or None when unknown."""
+    levels = [level for level in _cache_sizes() if level >= 3]
+    return _cache_sizes()[max(levels)] if levels else None
 
 
 def cache_block_bytes() -> tuple[int, str]:
@@ -161,6 +177,20 @@ def update_block_bytes() -> tuple[int, str]:
     if l2 is None:
         return 512 << 10, "default"
     return 1 << max(16, (l2 // 2).bit_length() - 1), "hardware"
+
+
+def node_chunk_bytes(local_ranks: int) -> int:
+    """The shared-memory transport's default chunk on a node of ``local_ranks`` ranks: the largest power of
+    two with which every rank's chunk, its copy in the window and its results (three chunks per rank) fill
+    at most half of the last-level cache, so a chunk's passes meet it there; at least
+    :func:`default_chunk_bytes` (which it is when the last-level cache is unknown). Half of L2 alone cut
+    four times as many chunks as needed at 2 ranks, each two synchronisations (benchmarks/README.md)."""
+    floor = default_chunk_bytes()[0]
+    llc = last_level_cache_bytes()
+    if llc is None:
+        return floor
+    share = llc // (6 * max(1, local_ranks))
+    return max(floor, 1 << (share.bit_length() - 1)) if share > 0 else floor
 
 
 def default_chunk_bytes() -> tuple[int, str]:

@@ -30,6 +30,29 @@ def test_defaults_and_their_sources():
         assert s.shm_block_bytes <= max(l2 // 8, 16 << 10) < 2 * s.shm_block_bytes
 
 
+@pytest.mark.parametrize("llc, l2, ranks, want", [
+    (32 << 20, 1 << 20, 1, 4 << 20), (32 << 20, 1 << 20, 2, 2 << 20), (32 << 20, 1 << 20, 4, 1 << 20),
+    (32 << 20, 1 << 20, 64, 512 << 10),  # never below the floor, half of L2
+    (300 << 20, 2 << 20, 2, 16 << 20), (None, 1 << 20, 2, 512 << 10), (None, None, 2, 1 << 20),
+])
+def test_the_default_chunk_fits_every_ranks_chunks_in_half_the_last_level_cache(monkeypatch, llc, l2, ranks, want):
+    sizes = {level: size for level, size in ((2, l2), (3, llc)) if size is not None}
+    monkeypatch.setattr(config, "_cache_sizes", lambda: dict(sizes))
+    assert config.last_level_cache_bytes() == llc and config.l2_cache_bytes() == l2
+    assert config.node_chunk_bytes(ranks) == want
+    if llc is not None:
+        assert 6 * ranks * want <= llc or want == config.default_chunk_bytes()[0]
+
+
+def test_the_cache_sizes_are_read_from_sysfs():
+    sizes = config._cache_sizes()
+    if not sizes:
+        pytest.skip("this machine's sysfs has no cache sizes")
+    assert config.l2_cache_bytes() == sizes.get(2)
+    assert config.last_level_cache_bytes() in (None, *(sizes[level] for level in sizes if level >= 3))
+    assert all(size >= 4096 for size in sizes.values())
+
+
 def test_the_environment_is_read_into_a_frozen_object_once_per_environment(monkeypatch):
     first = config.settings()
     assert config.settings() is first, "parsed once while the environment stays the same"

@@ -614,10 +614,11 @@ def test_every_rank_reads_the_whole_result_from_its_own_segment(backend):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("outnumbered", [False, True])
-def test_long_arrays_go_in_chunks_of_half_the_l2_cache_by_default(monkeypatch, outnumbered):
-    """By default long arrays go in chunks of half of L2, unless the ranks of a node outnumber its cores:
-    then in one pass, on every rank (here only the last rank's answer says so). A size the user gives,
-    as an argument or in the environment, stands either way."""
+def test_long_arrays_go_in_chunks_sized_to_the_last_level_cache_by_default(monkeypatch, outnumbered):
+    """By default long arrays go in chunks sized to the node's last-level cache (config.node_chunk_bytes, at
+    least half of L2), unless the ranks of a node outnumber its cores: then in one pass, on every rank
+    (here only the last rank's answer says so). A size the user gives, as an argument or in the
+    environment, stands either way."""
     monkeypatch.delenv("MPISTRAT_SHM_CHUNK_BYTES", raising=False)
     monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
     comm = MPI.COMM_WORLD
@@ -630,7 +631,8 @@ def test_long_arrays_go_in_chunks_of_half_the_l2_cache_by_default(monkeypatch, o
     try:
         b = ShmTransport(comm, topology=forced, min_bytes=0)
         try:
-            want = 0 if outnumbered else chunk
+            want = 0 if outnumbered else config.node_chunk_bytes(forced.layout.local_size)
+            assert want == 0 or want >= chunk
             assert b.chunk_bytes == want and b._chunk_items(4 << 20, np.dtype(np.float64)) == want // 8
             assert shm_calibration.CHUNK_DECISIONS == {}, "nothing measured"
         finally:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import ops
+from mpistrat import config, ops
 from mpistrat.config import Settings
 from mpistrat.comm.errors import allgather_checked
 from mpistrat.comm.options import CommunicationImplementation
@@ -220,12 +220,14 @@ class ShmTransport(Transport):
             self.min_bytes = MIN_BYTES
         self._one_pass_max = self.direct_max_bytes  # see _set_chunk_bytes
         chunk_bytes = agreed.chunk_bytes
-        if agreed.chunk_default and lay.comm.allreduce(self.topology.oversubscribed, op=MPI.LOR):
-            # Where a node's ranks outnumber its cores, each chunk's two synchronisations cost scheduler
-            # hand-overs, more than the cache saves: the default takes long arrays in one pass (2x faster
-            # at 4-16 MiB with 4 ranks on 2 cores, benchmarks/README.md). A rule on counts, the same on
-            # every rank; chunks never change the order of a sum.
-            chunk_bytes = 0
+        if agreed.chunk_default:
+            # The default, sized to the node's last-level cache (config.node_chunk_bytes); none where a
+            # node's ranks outnumber its cores, since each chunk's two synchronisations cost scheduler
+            # hand-overs there, more than the cache saves (4 ranks on 2 cores: one pass 2x faster at
+            # 4-16 MiB, benchmarks/README.md). Rules on counts and sizes, the smallest over the ranks;
+            # chunks never change the order of a sum.
+            mine = 0 if self.topology.oversubscribed else config.node_chunk_bytes(lay.local_size)
+            chunk_bytes = lay.comm.allreduce(mine, op=MPI.MIN)
         self._set_chunk_bytes(chunk_bytes)
         atexit.register(_close_at_exit, weakref.ref(self))
 
