@@ -154,8 +154,9 @@ def l2_cache_bytes() -> int | None:
 
 def last_level_cache_bytes() -> int | None:
     """The size of CPU 0's last-level cache (level 3 or more) in bytes (Linux sysfs), or None when unknown."""
-    levels = [level for level in _cache_sizes() if level >= 3]
-    return _cache_sizes()[max(levels)] if levels else None
+    sizes = _cache_sizes()
+    levels = [level for level in sizes if level >= 3]
+    return sizes[max(levels)] if levels else None
 
 
 def cache_block_bytes() -> tuple[int, str]:
