@@ -132,9 +132,13 @@ def _cache_sizes() -> dict[int, int]:
     base = "/sys/devices/system/cpu/cpu0/cache"
     sizes: dict[int, int] = {}
     try:
-        for entry in sorted(os.listdir(base)):
-            if not entry.startswith("index"):
-                continue
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return sizes
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:  # an entry that cannot be read is left out, the others kept
             with open(os.path.join(base, entry, "type")) as f:
                 if f.read().strip() == "Instruction":
                     continue
@@ -142,8 +146,8 @@ def _cache_sizes() -> dict[int, int]:
                 level = int(f.read().strip())
             with open(os.path.join(base, entry, "size")) as f:
                 sizes[level] = parse_bytes(f.read().strip(), f"L{level} cache size")
-    except (OSError, ValueError):
-        return {}
+        except (OSError, ValueError):
+            continue
     return sizes
 
 
@@ -180,17 +184,17 @@ def update_block_bytes() -> tuple[int, str]:
     return 1 << max(16, (l2 // 2).bit_length() - 1), "hardware"
 
 
-def node_chunk_bytes(local_ranks: int) -> int:
-    """The shared-memory transport's default chunk on a node of ``local_ranks`` ranks: the largest power of
-    two with which every rank's chunk, its copy in the window and its results (three chunks per rank) fill
-    at most half of the last-level cache, so a chunk's passes meet it there; at least
-    :func:`default_chunk_bytes` (which it is when the last-level cache is unknown). Half of L2 alone cut
-    four times as many chunks as needed at 2 ranks, each two synchronisations (benchmarks/README.md)."""
+def node_chunk_bytes(machine_ranks: int) -> int:
+    """The shared-memory transport's default chunk where ``machine_ranks`` ranks share a machine: the
+    largest power of two with which every rank's chunk, its copy in the window and its results (three
+    chunks per rank) fill at most half of the last-level cache, so a chunk's passes meet it there; at
+    least :func:`default_chunk_bytes` (which it is when the last-level cache is unknown). The
+    measurements behind it are in benchmarks/README.md."""
     floor = default_chunk_bytes()[0]
     llc = last_level_cache_bytes()
     if llc is None:
         return floor
-    share = llc // (6 * max(1, local_ranks))
+    share = llc // (6 * max(1, machine_ranks))
     return max(floor, 1 << (share.bit_length() - 1)) if share > 0 else floor
 
 

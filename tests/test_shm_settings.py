@@ -1,5 +1,7 @@
 """Reading and agreeing the shared-memory transport's settings (no MPI needed)."""
 
+import dataclasses
+
 import pytest
 
 from mpistrat import config
@@ -12,6 +14,8 @@ def test_defaults_and_environment(monkeypatch):
     block, chunk = config.settings().shm_block_bytes, config.default_chunk_bytes()[0]  # from the L2 cache
     assert read_settings() == ShmSettings(64 << 20, block, chunk, None, "counter", chunk_default=True)
     assert not read_settings(chunk_bytes=chunk).chunk_default  # the same size, given
+    given = dataclasses.replace(config.settings(), shm_chunk_bytes=chunk // 2)  # in a settings object
+    assert read_settings(env=given) == ShmSettings(64 << 20, block, chunk // 2, None, "counter")
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "auto")  # left to measurement
     assert read_settings().chunk_bytes is None and not read_settings().chunk_default
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "off")

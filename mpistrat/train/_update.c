@@ -12,16 +12,22 @@
  * adam(param, m, v, grad, lr, beta_1, keep_1, beta_2, keep_2, epsilon)
  *                                                        m = beta_1 m + keep_1 grad; v = beta_2 v + keep_2 grad^2;
  *                                                        param -= lr * m / (sqrt(v) + epsilon)
- * The arrays: C-contiguous buffers of native float32 ("f") or float64 ("d"), one format and length, all
- * but grad writable. Returns NotImplemented (nothing written) for any other buffers, else the IEEE
- * exceptions the rule raised as NumPy numbers them (1 divide, 2 overflow, 4 underflow, 8 invalid); the
+ * The arrays: C-contiguous buffers of native float32 ("f") or float64 ("d"), one format and length,
+ * aligned to their items, no two overlapping, all but grad writable. Returns NotImplemented (nothing
+ * written) for any other buffers, else the IEEE exceptions the rule's arithmetic raised (not the
+ * coefficients' rounding) as NumPy numbers them (1 divide, 2 overflow, 4 underflow, 8 invalid); the
  * caller reports them. The loops run without the GIL.
+ *
+ * Where two NaN operands meet, the result is a NaN whose sign and payload may differ from NumPy's: the
+ * compiler may swap the operands of + and *, and x86 keeps the first operand's NaN. Every other result
+ * is NumPy's, bit for bit.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <fenv.h>
 #include <float.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #if defined(__FAST_MATH__) || (defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD != 0)
@@ -48,6 +54,11 @@ static void release(Arrays *a) {
     a->count = 0;
 }
 
+static int overlap(const Py_buffer *a, const Py_buffer *b) {
+    uintptr_t a0 = (uintptr_t)a->buf, b0 = (uintptr_t)b->buf;
+    return a->len > 0 && b->len > 0 && a0 < b0 + (uintptr_t)b->len && b0 < a0 + (uintptr_t)a->len;
+}
+
 /* The buffers of objs (the last one read-only, the others written); its kind (F32 or F64), or -1 with
  * every buffer released and no error set where they are not what the rules take. */
 static int get_arrays(Arrays *a, PyObject **objs, int n, Py_ssize_t *items) {
@@ -65,10 +76,13 @@ static int get_arrays(Arrays *a, PyObject **objs, int n, Py_ssize_t *items) {
     int kind = -1;
     if (format != NULL && strcmp(format, "f") == 0 && a->views[0].itemsize == 4) kind = F32;
     if (format != NULL && strcmp(format, "d") == 0 && a->views[0].itemsize == 8) kind = F64;
-    for (int i = 1; i < n && kind >= 0; i++) {
+    for (int i = 0; i < n && kind >= 0; i++) {
         if (a->views[i].format == NULL || strcmp(a->views[i].format, format) != 0 ||
-            a->views[i].len != a->views[0].len || a->views[i].itemsize != a->views[0].itemsize)
+            a->views[i].len != a->views[0].len || a->views[i].itemsize != a->views[0].itemsize ||
+            (uintptr_t)a->views[i].buf % (uintptr_t)a->views[i].itemsize != 0)
             kind = -1;
+        for (int j = 0; j < i && kind >= 0; j++)
+            if (overlap(&a->views[i], &a->views[j])) kind = -1;
     }
     if (kind < 0) {
         release(a);
@@ -83,6 +97,7 @@ static int get_arrays(Arrays *a, PyObject **objs, int n, Py_ssize_t *items) {
         T *p = (T *)a.views[0].buf;                                                                   \
         const T *g = (const T *)a.views[1].buf;                                                       \
         const T c_lr = (T)lr;                                                                         \
+        feclearexcept(FE_ALL_EXCEPT);                                                                 \
         for (Py_ssize_t i = 0; i < n; i++) {                                                          \
             T t = g[i] * c_lr;                                                                        \
             p[i] = p[i] - t;                                                                          \
@@ -94,6 +109,7 @@ static int get_arrays(Arrays *a, PyObject **objs, int n, Py_ssize_t *items) {
         T *p = (T *)a.views[0].buf, *v = (T *)a.views[1].buf;                                         \
         const T *g = (const T *)a.views[2].buf;                                                       \
         const T c_lr = (T)lr, c_mu = (T)mu;                                                           \
+        feclearexcept(FE_ALL_EXCEPT);                                                                 \
         if (nesterov) {                                                                               \
             for (Py_ssize_t i = 0; i < n; i++) {                                                      \
                 T u = g[i] * c_lr;                                                                    \
@@ -116,6 +132,7 @@ static int get_arrays(Arrays *a, PyObject **objs, int n, Py_ssize_t *items) {
         const T *g = (const T *)a.views[3].buf;                                                       \
         const T c_lr = (T)lr, c_b1 = (T)beta_1, c_k1 = (T)keep_1, c_b2 = (T)beta_2, c_k2 = (T)keep_2; \
         const T c_eps = (T)epsilon;                                                                   \
+        feclearexcept(FE_ALL_EXCEPT);                                                                 \
         for (Py_ssize_t i = 0; i < n; i++) {                                                          \
             T gi = g[i];                                                                              \
             T nm = m[i] * c_b1 + gi * c_k1;                                                           \
@@ -126,15 +143,15 @@ static int get_arrays(Arrays *a, PyObject **objs, int n, Py_ssize_t *items) {
         }                                                                                             \
     } while (0)
 
-/* Runs BODY on the buffers without the GIL, between a save and a restore of the thread's IEEE flags;
- * returns the flags BODY raised, NumPy-numbered. */
+/* Runs BODY (which clears the IEEE flags after rounding its coefficients) on the buffers without the
+ * GIL, between a save and a restore of the thread's flags; returns the flags its loop raised,
+ * NumPy-numbered. */
 #define RUN_RULE(BODY)                                                                                \
     do {                                                                                              \
         fexcept_t saved;                                                                              \
         int raised;                                                                                   \
         Py_BEGIN_ALLOW_THREADS                                                                        \
         fegetexceptflag(&saved, FE_ALL_EXCEPT);                                                       \
-        feclearexcept(FE_ALL_EXCEPT);                                                                 \
         BODY;                                                                                         \
         raised = fetestexcept(FE_ALL_EXCEPT);                                                         \
         fesetexceptflag(&saved, FE_ALL_EXCEPT);                                                       \

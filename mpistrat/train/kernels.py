@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -71,30 +72,32 @@ def _blocks(arrays: Sequence[np.ndarray], scratch: int) -> Iterator[list[np.ndar
         yield [f[start:end] for f in flat] + [t[:size] for t in tmp]
 
 
-def _compiled(rule: Any, name: str, *args: Any) -> bool:
-    """Whether the compiled ``rule(*args)`` ran (its arrays float32 or float64); its floating-point errors
-    reported as NumPy reports them for an operation called ``name``, after the whole update."""
-    if rule is None:
+def _compiled(rule: Any, name: str, arrays: tuple, coefficients: tuple, *flags: bool) -> bool:
+    """Whether the compiled ``rule(*arrays, *coefficients, *flags)`` ran: its arrays float32 or float64, its
+    coefficients Python floats (NumPy rounds those to the arrays' dtype, as the compiled rules do; a NumPy
+    scalar may widen NumPy's arithmetic instead); its floating-point errors reported as NumPy reports
+    them for an operation called ``name``, after the whole update."""
+    if rule is None or any(type(c) is not float for c in coefficients):
         return False
     modes = np.geterr()
     if not _REPORTED.issuperset(modes.values()):
         return False
-    raised = rule(*args)
+    raised = rule(*arrays, *coefficients, *flags)
     if raised is NotImplemented:
         return False
     for bit, key, words in _ERRORS:
         if raised & bit and modes[key] != "ignore":
             message = f"{words} encountered in {name}"
             if modes[key] == "warn":
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-            else:
-                print(f"Warning: {message}")
+                warnings.warn(message, RuntimeWarning, stacklevel=3)  # at the caller of the rule
+            else:  # print: as NumPy prints it
+                sys.stderr.write(f"Warning: {message}\n")
     return True
 
 
 def sgd(param: np.ndarray, grad: np.ndarray, lr: float) -> None:
     """``param -= lr * grad``."""
-    if _compiled(_update and _update.sgd, "sgd", param, grad, lr):
+    if _compiled(_update and _update.sgd, "sgd", (param, grad), (lr,)):
         return
     for p, g, t in _blocks((param, grad), 1):
         _multiply(g, lr, out=t)
@@ -103,19 +106,18 @@ def sgd(param: np.ndarray, grad: np.ndarray, lr: float) -> None:
 
 def momentum(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float) -> None:
     """``velocity = mu * velocity - lr * grad``; ``param += velocity``."""
-    _momentum(param, velocity, grad, lr, mu, nesterov=False)
+    if not _compiled(_update and _update.momentum, "momentum", (param, velocity, grad), (lr, mu), False):
+        _momentum(param, velocity, grad, lr, mu, nesterov=False)
 
 
 def nesterov(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float) -> None:
     """``velocity = mu * velocity - lr * grad``; ``param += mu * velocity - lr * grad``."""
-    _momentum(param, velocity, grad, lr, mu, nesterov=True)
+    if not _compiled(_update and _update.momentum, "nesterov", (param, velocity, grad), (lr, mu), True):
+        _momentum(param, velocity, grad, lr, mu, nesterov=True)
 
 
 def _momentum(param: np.ndarray, velocity: np.ndarray, grad: np.ndarray, lr: float, mu: float,
               nesterov: bool) -> None:
-    if _compiled(_update and _update.momentum, "nesterov" if nesterov else "momentum", param, velocity, grad,
-                 lr, mu, nesterov):
-        return
     for p, v, g, t, u in _blocks((param, velocity, grad), 2):
         _multiply(v, mu, out=t)
         _multiply(g, lr, out=u)
@@ -133,7 +135,7 @@ def adam(param: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, lr: 
     """``m = beta_1 m + (1 - beta_1) grad``; ``v = beta_2 v + (1 - beta_2) grad^2``;
     ``param -= lr * m / (sqrt(v) + epsilon)``."""
     keep_1, keep_2 = 1 - beta_1, 1 - beta_2
-    if _compiled(_update and _update.adam, "adam", param, m, v, grad, lr, beta_1, keep_1, beta_2, keep_2, epsilon):
+    if _compiled(_update and _update.adam, "adam", (param, m, v, grad), (lr, beta_1, keep_1, beta_2, keep_2, epsilon)):
         return
     for p, mb, vb, g, t, u in _blocks((param, m, v, grad), 2):
         _multiply(mb, beta_1, out=t)

@@ -221,12 +221,13 @@ class ShmTransport(Transport):
         self._one_pass_max = self.direct_max_bytes  # see _set_chunk_bytes
         chunk_bytes = agreed.chunk_bytes
         if agreed.chunk_default:
-            # The default, sized to the node's last-level cache (config.node_chunk_bytes); none where a
-            # node's ranks outnumber its cores, since each chunk's two synchronisations cost scheduler
-            # hand-overs there, more than the cache saves (4 ranks on 2 cores: one pass 2x faster at
-            # 4-16 MiB, benchmarks/README.md). Rules on counts and sizes, the smallest over the ranks;
-            # chunks never change the order of a sum.
-            mine = 0 if self.topology.oversubscribed else config.node_chunk_bytes(lay.local_size)
+            # The default, sized to the last-level cache that the machine's ranks share (pretend nodes
+            # included: config.node_chunk_bytes); none where a machine's ranks outnumber its cores, since
+            # each chunk's two synchronisations cost scheduler hand-overs there, more than the cache saves
+            # (4 ranks on 2 cores: one pass 2x faster at 4-16 MiB, benchmarks/README.md). Rules on counts
+            # and sizes, the smallest over the ranks, never a timing; on one or two nodes chunks never
+            # change the order of a sum (see _chunk_items).
+            mine = 0 if self.topology.oversubscribed else config.node_chunk_bytes(self.topology.machine_size)
             chunk_bytes = lay.comm.allreduce(mine, op=MPI.MIN)
         self._set_chunk_bytes(chunk_bytes)
         atexit.register(_close_at_exit, weakref.ref(self))

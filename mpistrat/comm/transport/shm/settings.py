@@ -19,7 +19,8 @@ SYNC_KINDS = ("barrier", "counter")
 
 class ShmSettings(NamedTuple):
     """One rank's settings; None where the value is measured (``auto``); ``chunk_default``: the chunk is
-    the default's (half of L2), given neither as an argument nor in the environment."""
+    the settings' default, given neither as an argument nor otherwise (the transport then sizes it to
+    the machine: ``ShmTransport``)."""
 
     max_bytes: int
     block_bytes: int
@@ -55,7 +56,8 @@ def read_settings(
     env = config.settings() if env is None else env
     max_bytes = env.shm_max_bytes if max_bytes is None else max_bytes
     block_bytes = env.shm_block_bytes if block_bytes is None else block_bytes
-    chunk_default = chunk_bytes is None and env.sources.get("shm_chunk_bytes") != "environment"
+    chunk_default = (chunk_bytes is None and env.sources.get("shm_chunk_bytes") in ("default", "hardware")
+                     and env.shm_chunk_bytes == config.default_chunk_bytes()[0])
     chunk_bytes = env.shm_chunk_bytes if chunk_bytes is None else chunk_bytes
     if isinstance(chunk_bytes, str) and chunk_bytes.strip().lower() == "auto":
         chunk_bytes = None
