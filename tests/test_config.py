@@ -53,7 +53,8 @@ def test_the_cache_sizes_are_read_from_sysfs():
     by_level = {}
     for entry in os.listdir(base):
         if entry.startswith("index") and open(f"{base}/{entry}/type").read().strip() != "Instruction":
-            by_level[int(open(f"{base}/{entry}/level").read())] = config.parse_bytes(open(f"{base}/{entry}/size").read().strip(), "size")
+            size = open(f"{base}/{entry}/size").read().strip()
+            by_level[int(open(f"{base}/{entry}/level").read())] = config.parse_bytes(size, "size")
     assert sizes == by_level
     assert config.last_level_cache_bytes() == (by_level[max(by_level)] if max(by_level) >= 3 else None)
 

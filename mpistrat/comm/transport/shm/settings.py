@@ -89,8 +89,8 @@ def agree_settings(per_rank: Sequence[ShmSettings]) -> ShmSettings:
     """The settings every rank uses, from all ranks' (the same list on every rank, so the same answer).
 
     Sizes: the smallest given over the ranks (a value given on some ranks wins
-    over ``auto`` on the others); the chunk is the default's where it is on every rank. The synchronisation kind must be the same
-    everywhere: ValueError otherwise.
+    over ``auto`` on the others); the chunk is the default's where it is on every
+    rank. The synchronisation kind must be the same everywhere: ValueError otherwise.
     """
     kinds = sorted({s.sync for s in per_rank})
     if len(kinds) > 1:
