@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import threading
+import types
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -127,8 +129,10 @@ class Variable:
     help: str
 
 
-def _cache_sizes() -> dict[int, int]:
-    """CPU 0's data or unified caches (Linux sysfs): size in bytes by level; empty when unknown."""
+@functools.lru_cache(maxsize=None)
+def _cache_sizes() -> Mapping[int, int]:
+    """CPU 0's data or unified caches (Linux sysfs): size in bytes by level; empty when unknown. Read once
+    per process: a hardware fact."""
     base = "/sys/devices/system/cpu/cpu0/cache"
     sizes: dict[int, int] = {}
     try:
@@ -148,7 +152,16 @@ def _cache_sizes() -> dict[int, int]:
                 sizes[level] = parse_bytes(f.read().strip(), f"L{level} cache size")
         except (OSError, ValueError):
             continue
-    return sizes
+    return types.MappingProxyType(sizes)
+
+
+def _l2_share(divisor: int, floor_log2: int, unknown: int) -> tuple[int, str]:
+    """The largest power of two at most L2 / ``divisor``, at least ``2 ** floor_log2`` (``unknown`` when
+    L2 is unknown); and where that came from."""
+    l2 = l2_cache_bytes()
+    if l2 is None:
+        return unknown, "default"
+    return 1 << max(floor_log2, (l2 // divisor).bit_length() - 1), "hardware"
 
 
 def l2_cache_bytes() -> int | None:
@@ -167,10 +180,7 @@ def cache_block_bytes() -> tuple[int, str]:
     """A block of an eighth of L2 (a power of two, at least 16 KiB; 256 KiB when L2 is unknown), so that
     the blocks one pass of an array operation touches together stay in cache; and where that came from.
     The shared-memory reduce's default block (up to seven ranks' blocks at once)."""
-    l2 = l2_cache_bytes()
-    if l2 is None:
-        return 256 << 10, "default"
-    return 1 << max(14, (l2 // 8).bit_length() - 1), "hardware"
+    return _l2_share(8, 14, 256 << 10)
 
 
 def update_block_bytes() -> tuple[int, str]:
@@ -178,10 +188,7 @@ def update_block_bytes() -> tuple[int, str]:
     when L2 is unknown), so a rule's scratch block stays in cache and each block's few NumPy calls are
     spread over much data (an eighth of L2 cost twice as much per variable: benchmarks/README.md); and
     where that came from."""
-    l2 = l2_cache_bytes()
-    if l2 is None:
-        return 512 << 10, "default"
-    return 1 << max(16, (l2 // 2).bit_length() - 1), "hardware"
+    return _l2_share(2, 16, 512 << 10)
 
 
 def node_chunk_bytes(machine_ranks: int) -> int:
@@ -200,11 +207,9 @@ def node_chunk_bytes(machine_ranks: int) -> int:
 
 def default_chunk_bytes() -> tuple[int, str]:
     """The shared-memory transport's chunk for long single arrays: half of L2, so a chunk's copy in,
-    sum and copy out stay in cache (1 MiB when L2 is unknown); and where that came from."""
-    l2 = l2_cache_bytes()
-    if l2 is None:
-        return 1 << 20, "default"
-    return 1 << max(18, (l2 // 2).bit_length() - 1), "hardware"  # a power of two, at least 256 KiB
+    sum and copy out stay in cache (a power of two, at least 256 KiB; 1 MiB when L2 is unknown); and where
+    that came from."""
+    return _l2_share(2, 18, 1 << 20)
 
 
 VARIABLES: tuple[Variable, ...] = (

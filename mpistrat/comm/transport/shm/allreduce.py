@@ -183,8 +183,17 @@ class ShmTransport(Transport):
         self.topology: Topology | None = make_topology(comm, pretend_nodes) if topology is None else topology
         self.layout: NodeLayout | None = self.topology.layout
         lay = self.layout
-        # Slice owners: local ranks [0, P) of every node, P the smallest node.
-        self.owners = lay.comm.allreduce(lay.local_size, op=MPI.MIN)
+        # Slice owners: local ranks [0, P) of every node, P the smallest node. The default chunk, sized to
+        # the last-level cache that the machine's ranks share (pretend nodes included:
+        # config.node_chunk_bytes); none where a machine's ranks outnumber its cores, since each chunk's two
+        # synchronisations cost scheduler hand-overs there, more than the cache saves (4 ranks on 2 cores:
+        # one pass 2x faster at 4-16 MiB, benchmarks/README.md). Rules on counts and sizes, the smallest
+        # over the ranks (agreed with the owners in one reduction), never a timing; on one or two nodes
+        # chunks never change the order of a sum (see _chunk_items).
+        proposed = np.array([lay.local_size, 0 if self.topology.oversubscribed
+                             else config.node_chunk_bytes(self.topology.machine_size)], np.int64)
+        lay.comm.Allreduce(MPI.IN_PLACE, proposed, op=MPI.MIN)
+        self.owners, default_chunk = int(proposed[0]), int(proposed[1])
         self.waiter = self.topology.waiter
         direct = one_sync_max_bytes(self.topology)
         pushes = lay.num_nodes == 1 and lay.local_size > 1  # owners push results into every segment
@@ -219,17 +228,7 @@ class ShmTransport(Transport):
         else:
             self.min_bytes = MIN_BYTES
         self._one_pass_max = self.direct_max_bytes  # see _set_chunk_bytes
-        chunk_bytes = agreed.chunk_bytes
-        if agreed.chunk_default:
-            # The default, sized to the last-level cache that the machine's ranks share (pretend nodes
-            # included: config.node_chunk_bytes); none where a machine's ranks outnumber its cores, since
-            # each chunk's two synchronisations cost scheduler hand-overs there, more than the cache saves
-            # (4 ranks on 2 cores: one pass 2x faster at 4-16 MiB, benchmarks/README.md). Rules on counts
-            # and sizes, the smallest over the ranks, never a timing; on one or two nodes chunks never
-            # change the order of a sum (see _chunk_items).
-            mine = 0 if self.topology.oversubscribed else config.node_chunk_bytes(self.topology.machine_size)
-            chunk_bytes = lay.comm.allreduce(mine, op=MPI.MIN)
-        self._set_chunk_bytes(chunk_bytes)
+        self._set_chunk_bytes(default_chunk if agreed.chunk_default else agreed.chunk_bytes)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
