@@ -1,6 +1,6 @@
 """Weak scaling of a compute-bound data-parallel training step: mpistrat against raw mpi4py, step by step.
 
-    python benchmarks/train_step.py [--ranks 1 2 4] [--runs 1] [--steps 30] [--modes mpistrat,overlap]
+    python benchmarks/train_step.py [--ranks 1 2 4] [--runs 1] [--steps 30] [--modes mpistrat,overlap,barrier]
                                     [--plot PATH] [--json PATH]
     mpiexec -bind-to core -n N python benchmarks/train_step.py --worker [--steps 30]   # one rank count
 
@@ -23,6 +23,11 @@ same batches, with the same forward and backward code:
   gradients as soon as it has them (last layer first), each pair starts its reduction
   with ``experimental_all_reduce_async`` before the layer below is differentiated, and
   the step waits for every handle's ``result()`` before the update.
+* ``barrier`` (a bound, not a training step): raw's step with one ``comm.Barrier()`` in
+  place of the 8 ``Allreduce`` calls, each rank updating with its own gradients. Every
+  all-reduce waits for the slowest rank's backward as the barrier does, and moves data
+  besides, so raw / barrier is the most any all-reduce could make of the paired ratio.
+  Its weights are not checked: its ranks train apart.
 
 Method (that of ``allreduce.py``): warm-up steps of every mode first; then each iteration
 runs one step of every mode, in a new random order per iteration (a fixed seed, so the
@@ -33,10 +38,10 @@ Per mode: the median step time; examples/s = ranks x 256 / that median; the pair
 (robust to a machine that changes speed); the fraction of the step spent reducing = each
 rank's time in its reduction calls (raw: the 8 ``Allreduce``; mpistrat: the
 ``all_reduce``; overlap: starting the reductions plus waiting for their results, i.e. the
-part not hidden behind compute) over the iteration's step time, mean over ranks, median
-over iterations. A rank's time in a reduction includes waiting for ranks that finish
-their backward later. The fraction updating is measured the same way (raw: the NumPy
-updates; mpistrat and overlap: ``apply_gradients``).
+part not hidden behind compute; barrier: the ``Barrier``) over the iteration's step time,
+mean over ranks, median over iterations. A rank's time in a reduction includes waiting
+for ranks that finish their backward later. The fraction updating is measured the same
+way (raw and barrier: the NumPy updates; mpistrat and overlap: ``apply_gradients``).
 
 The driver (no ``--worker``) runs ``mpiexec -bind-to core -n N`` for every N of ``--ranks``,
 ``--runs`` times with the rank counts alternating, and reports per N and mode the median
@@ -84,7 +89,8 @@ LEARNING_RATE = 0.01  # of the mean gradient; the summed gradients are scaled by
 SEED = 0  # the weights' initialisation, the same in every mode
 DISTINCT_BATCHES = 4  # per rank, cycled; step k of every mode uses batch k % 4
 ORDER_SEED = 20261123  # the modes' order per iteration, the same on every rank
-MODES = ("raw", "mpistrat", "overlap")
+MODES = ("raw", "mpistrat", "overlap", "barrier")
+UNCHECKED_MODES = ("barrier",)  # bounds, not training: each rank keeps its own gradients
 # |w - w_raw| / |w_raw - w_initial| (norms over all variables) above which a mode did other work than raw.
 # Sums in another order differ in the last bits, and a ReLU unit near zero can then switch in one mode only:
 # at 4 ranks the ratio grew from 4e-6 to 3e-4 over 16 steps; a missed or mis-scaled reduction gives about 1.
@@ -167,6 +173,23 @@ class RawStep:
 
     def weights(self) -> list[np.ndarray]:
         return self.params
+
+
+class BarrierStep(RawStep):
+    """Raw's step with a ``Barrier`` in place of the reductions: the bound of every all-reduce's step."""
+
+    def __init__(self, comm: Any, initial: list[np.ndarray], lr: float, batches: list[Batch]):
+        super().__init__(comm, initial, lr, batches)
+        self._barrier = comm.Barrier
+
+    def __call__(self, k: int) -> tuple[float, float]:
+        grads = gradients(self.params, *self.batches[k % len(self.batches)])
+        t0 = time.perf_counter()
+        self._barrier()
+        t1 = time.perf_counter()
+        for p, g in zip(self.params, grads):
+            p -= self.lr * g
+        return t1 - t0, time.perf_counter() - t1
 
 
 class StrategyStep:
@@ -323,10 +346,13 @@ def worker(args: argparse.Namespace) -> int:
     batches = synthetic_batches(rank, DISTINCT_BATCHES, BATCH_PER_RANK)
     initial = [np.array(v.value()) for v in MLP(LAYER_SIZES, seed=SEED, dtype="float32").variables]
     steps: list[Any] = [RawStep(comm, initial, lr, batches)]
-    steps += [StrategyStep(strategy, lr, batches, overlap=(name == "overlap")) for name in args.modes]
+    steps += [BarrierStep(comm, initial, lr, batches) if name == "barrier" else
+              StrategyStep(strategy, lr, batches, overlap=(name == "overlap")) for name in args.modes]
     step_s, parts_s = paired_steps(comm, steps, args.steps, args.warmup)
     result = summarize(names, step_s, parts_s, size)
-    problems, differences = check_weights(comm, names, [s.weights() for s in steps], initial)
+    checked = [(name, step) for name, step in zip(names, steps) if name not in UNCHECKED_MODES]
+    problems, differences = check_weights(comm, [name for name, _ in checked], [s.weights() for _, s in checked],
+                                          initial)
     grad_bytes = sum(a.nbytes for a in initial)
     info = {
         "ranks": size, "modes": names, "iterations": args.steps, "warmup": args.warmup,
@@ -347,7 +373,7 @@ def worker(args: argparse.Namespace) -> int:
                   f"{r['updating_fraction']:9.1%} "
                   f"{r['ratio']:6.3f} {r['pair']:6.3f}")
         print("# final weights: " + ("; ".join(f"WEIGHT CHECK FAILED: {p}" for p in problems) or
-                                     "equal on every rank in every mode") + "; distance from raw's / distance trained: "
+                                     "equal on every rank in every training mode") + "; distance from raw's / distance trained: "
               + ", ".join(f"{name} {d:.1e}" for name, d in differences.items()))
         if args.out:
             with open(args.out, "w") as f:
@@ -493,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=1, help="runs per rank count, alternating (driver)")
     parser.add_argument("--steps", type=int, default=30, help="timed iterations (one step of every mode each)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of every mode first")
-    parser.add_argument("--modes", type=parse_modes, default=parse_modes("mpistrat,overlap"),
-                        help="comma-separated, from mpistrat,overlap (raw always runs)")
+    parser.add_argument("--modes", type=parse_modes, default=parse_modes("mpistrat,overlap,barrier"),
+                        help="comma-separated, from mpistrat,overlap,barrier (raw always runs)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of examples/s against ranks (driver; matplotlib)")
     parser.add_argument("--json", metavar="PATH", help="write the table and every run's results (driver)")
     parser.add_argument("--worker", action="store_true", help="measure in this mpiexec job (one rank count)")

@@ -89,6 +89,7 @@ def test_weight_check_flags_a_mode_that_did_other_work():
 def test_modes_are_checked():
     assert ts.parse_modes("mpistrat, overlap") == ["mpistrat", "overlap"]
     assert ts.parse_modes("raw,mpistrat") == ["mpistrat"]
+    assert ts.parse_modes("barrier") == ["barrier"]
     with pytest.raises(Exception, match="modes must be distinct names"):
         ts.parse_modes("mpistrat,fast")
     with pytest.raises(Exception, match="modes must be distinct names"):
@@ -105,12 +106,12 @@ def test_driver_measures_every_rank_count_and_plots(tmp_path):
     cmd += ["--plot", str(png)] if plotting else []
     result = _run(cmd, timeout=240)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    assert result.stdout.count("equal on every rank in every mode") == 2, result.stdout
+    assert result.stdout.count("equal on every rank in every training mode") == 2, result.stdout
     saved = json.loads(out_json.read_text())
     table = saved["table"]
     assert sorted(table) == ["1", "2"]
     for ranks, modes in table.items():
-        assert sorted(modes) == ["mpistrat", "overlap", "raw"]
+        assert sorted(modes) == ["barrier", "mpistrat", "overlap", "raw"]
         for row in modes.values():  # one run: its medians are the table's
             assert row["step_s"] > 0 and row["pair"] > 0
             assert row["examples_per_s"] == pytest.approx(int(ranks) * ts.BATCH_PER_RANK / row["step_s"])
@@ -119,6 +120,8 @@ def test_driver_measures_every_rank_count_and_plots(tmp_path):
     run = saved["runs"]["2"][0]
     assert run["ranks"] == 2 and run["blas_threads"]["OMP_NUM_THREADS"] == "1" and run["problems"] == []
     assert len(run["results"]["overlap"]["step_s_all"]) == 2
+    # the barrier bound trains each rank apart: its weights are not checked, the training modes' are
+    assert sorted(run["weight_difference_from_raw"]) == ["mpistrat", "overlap"]
     if plotting:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
