@@ -4,11 +4,15 @@
     mpiexec -bind-to core -n 4 python benchmarks/scale_model.py --measure      # held out: 4 ranks
     MPISTRAT_PRETEND_NODES=2 mpiexec -bind-to core -n 4 python benchmarks/scale_model.py --measure
     python benchmarks/scale_model.py --predict [--net-latency-us 1.2] [--net-gbps 192]
-    python benchmarks/scale_model.py --all      # the three runs above, then --predict (1-2 minutes)
+    python benchmarks/scale_model.py --all      # the three runs above, in rounds, then --predict (2-3 minutes)
 
 ``--measure`` times, with ``allreduce.py``'s method (warm-up; calls interleaved in a new random order
-per iteration, each after a barrier; the slowest rank's time; the median over iterations; the median
-over ``--repeats`` sweeps), for float32 sizes 4 KiB..64 MiB:
+per iteration, each after a barrier; the slowest rank's time; the median over iterations), for
+float32 sizes 4 KiB..64 MiB, in ``--repeats`` sweeps, each over the sizes in a new random order
+(the same on every rank): a slow spell of the machine falls on scattered sizes, not on a range.
+``--append`` adds the sweeps to the layout's earlier ones in ``--data``; ``--all`` measures the
+three layouts ``--rounds`` times in turn, so that each layout's sweeps come from several moments.
+The paths and probes:
 
 * ``mpi``: raw ``Allreduce(IN_PLACE)``, MPI within the machine;
 * ``window``: the shared-memory window engine, ``ShmTransport`` on a bucket already packed, the
@@ -19,10 +23,13 @@ over ``--repeats`` sweeps), for float32 sizes 4 KiB..64 MiB:
   at once), ``fault`` (first touch of a fresh n-byte anonymous mapping, up to 1 MiB) and the
   duration of one of the waiter's sleeps.
 
-It merges the layout's medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs no
-MPI: it fits each path on the 2-rank run up to 1 MiB only, predicts every other measurement (2 ranks
-above 1 MiB, 4 ranks, 4 ranks on 2 pretend nodes) with its error, and projects the flat and the
-hierarchical path to clusters. Each path's form follows its code (benchmarks/README.md,
+It merges the layout's sweep medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs
+no MPI: it takes per size the least of its sweeps (``--statistic min``, the default: the model has no
+term for other programs on the machine, and they only ever add time; this VM's speed changes up to 3x
+between sweeps, benchmarks/README.md) or their median, fits each path on the 2-rank run up to 1 MiB
+only, predicts every other measurement (2 ranks above 1 MiB, 4 ranks, 4 ranks on 2 pretend nodes)
+with its error, prints how many predictions fall within 20% under both statistics, and projects the
+flat and the hierarchical path to clusters. Each path's form follows its code (benchmarks/README.md,
 "scale_model.py", has the sources):
 
 * window, one node: two node synchronisations (``a_w`` each; where ranks outnumber cores, a waiter's
@@ -88,6 +95,8 @@ DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_m
 PATHS = ("mpi", "window")
 PROBES = ("shm_pass", "private_pass", "fault")
 FIT_LAYOUT = "2 ranks, 1 node"
+STATISTICS = ("min", "median")  # of a size's sweeps
+SWEEP_ORDER_SEED = 20261127  # the sizes' order in sweep k: the same on every rank
 
 
 def human(nbytes: float) -> str:
@@ -162,7 +171,8 @@ def measure(args: argparse.Namespace) -> int:
         f"{args.repeats} sweeps, {args.budget} s per size", flush=True)
     started = time.time()
     for sweep in range(args.repeats):
-        for i, size in enumerate(sizes):
+        for i in np.random.default_rng([SWEEP_ORDER_SEED, sweep]).permutation(len(sizes)).tolist():
+            size = sizes[i]
             count = size // 4
             buf = np.zeros(count, dtype=np.float32)
 
@@ -199,8 +209,8 @@ def measure(args: argparse.Namespace) -> int:
     probe_win.Free()
     machine.Free()
     if world.Get_rank() == 0:
-        _merge(args.data, key, run)
-        say(f"# {key}: {run['seconds']} s, written to {args.data}")
+        _merge(args.data, key, run, args.append)
+        say(f"# {key}: {run['seconds']} s, {'added to' if args.append else 'written to'} {args.data}")
     return 0
 
 
@@ -240,11 +250,15 @@ def _commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def _merge(path: str, key: str, run: dict[str, Any]) -> None:
-    """Replace ``key``'s entry of the data file (created when missing), atomically."""
+def _merge(path: str, key: str, run: dict[str, Any], append: bool = False) -> None:
+    """Replace ``key``'s entry of the data file (created when missing), or with ``append`` add the run's
+    sweeps to the entry's (same sizes and layout), atomically."""
     data: dict[str, Any] = {"format": 1, "runs": {}}
     if os.path.exists(path):
         data = load_data(path)
+    earlier = data["runs"].get(key)
+    if append and earlier is not None:
+        run = _appended(earlier, run)
     data["runs"][key] = run
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -252,8 +266,33 @@ def _merge(path: str, key: str, run: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def load_data(path: str) -> dict[str, Any]:
-    """The data file, checked for the fields ``--predict`` reads (ValueError naming what is missing)."""
+_LAYOUT_FIELDS = ("ranks", "nodes", "local", "machine_ranks", "cores", "sizes")
+_ROUND_FIELDS = ("when_utc", "seconds", "load_average", "commit", "sleep_s")
+
+
+def _appended(earlier: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """``earlier`` with ``run``'s sweeps added: medians over all sweeps, each round's facts kept."""
+    for field in _LAYOUT_FIELDS:
+        if earlier.get(field) != run[field]:
+            raise ValueError(f"--append: the data file's run has {field}={earlier.get(field)!r}, this one "
+                             f"{run[field]!r}; measure without --append")
+    merged = dict(run)
+    merged["sweeps_s"] = {name: [a + b for a, b in zip(earlier["sweeps_s"][name], sweeps)]
+                          for name, sweeps in run["sweeps_s"].items()}
+    merged["iterations"] = [a + b for a, b in zip(earlier["iterations"], run["iterations"])]
+    merged["median_s"] = {name: [statistics.median(v) if v else None for v in sweeps]
+                          for name, sweeps in merged["sweeps_s"].items()}
+    merged["rounds"] = earlier.get("rounds", [{f: earlier.get(f) for f in _ROUND_FIELDS}])
+    merged["rounds"] = merged["rounds"] + [{f: run.get(f) for f in _ROUND_FIELDS}]
+    merged["sleep_s"] = statistics.median(r["sleep_s"] for r in merged["rounds"])
+    merged["when_utc"] = earlier.get("when_utc")
+    merged["seconds"] = round(sum(r["seconds"] or 0 for r in merged["rounds"]), 1)
+    return merged
+
+
+def load_data(path: str, statistic: str = "min") -> dict[str, Any]:
+    """The data file, checked for the fields ``--predict`` reads (ValueError naming what is missing), with
+    each run's ``time_s``: per path or probe and size, the ``statistic`` of its sweeps."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -264,12 +303,18 @@ def load_data(path: str) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != 1 or not isinstance(data.get("runs"), dict):
         raise ValueError(f"{path}: not a scale_model.py data file (expected {{'format': 1, 'runs': {{...}}}})")
     for key, run in data["runs"].items():
-        missing = [f for f in ("ranks", "nodes", "local", "machine_ranks", "cores", "sizes", "median_s")
-                   if f not in run]
-        missing += [f"median_s.{p}" for p in PATHS if p not in run.get("median_s", {})]
+        missing = [f for f in _LAYOUT_FIELDS + ("sweeps_s",) if f not in run]
+        missing += [f"sweeps_s.{p}" for p in PATHS if p not in run.get("sweeps_s", {})]
         if missing:
             raise ValueError(f"{path}: run {key!r} lacks {', '.join(missing)}; measure it again")
+        run["time_s"] = sweep_statistic(run["sweeps_s"], statistic)
     return data
+
+
+def sweep_statistic(sweeps_s: dict[str, list[list[float]]], statistic: str) -> dict[str, list[float | None]]:
+    """Per name and size, the least (``min``) or the median of the sweeps' times (None: never measured)."""
+    take = {"min": min, "median": statistics.median}[statistic]
+    return {name: [take(v) if v else None for v in per_size] for name, per_size in sweeps_s.items()}
 
 
 _MEASURE_HINT = "mpiexec -bind-to core -n 2 python benchmarks/scale_model.py --measure (or --all)"
@@ -310,7 +355,7 @@ class Machine:
     @classmethod
     def from_run(cls, run: dict[str, Any], constant: bool) -> Machine:
         """The fit run's probes (at size n, two ranks pass over n bytes each: a working set of 2n)."""
-        med = run["median_s"]
+        med = run["time_s"]
         for probe in PROBES:
             if probe not in med:
                 raise ValueError(f"run {FIT_LAYOUT!r} lacks the {probe} probe; measure it again")
@@ -480,11 +525,11 @@ def fit(run: dict[str, Any], constant: bool) -> Model:
     sizes = np.array(run["sizes"], dtype=float)
     n = sizes[sizes <= FIT_MAX]
     model = Model(machine, 0.0, 0.0, 0.0, 0.0)
-    window_t = np.array(run["median_s"]["window"], dtype=float)[: len(n)]
+    window_t = np.array(run["time_s"]["window"], dtype=float)[: len(n)]
     grow_shm = np.array([machine.growth("shm", 2 * s) for s in n])
     model.a_window, model.b_window = _fit_line(n * grow_shm, np.zeros_like(n), window_t, 2)
     # MPI at 2 ranks: one step each way of n/2 bytes and one sum of n/2 bytes.
-    mpi_t = np.array(run["median_s"]["mpi"], dtype=float)[: len(n)]
+    mpi_t = np.array(run["time_s"]["mpi"], dtype=float)[: len(n)]
     rest = np.array([model.reduce(s / 2, 2 * s) + model.faults(s, 2) for s in n])
     model.a_mpi, model.b_mpi = _fit_line(n, rest, mpi_t, 2)
     return model
@@ -514,7 +559,7 @@ def checks(data: dict[str, Any], models: Sequence[Model]) -> list[Check]:
     out = []
     for key, run in data["runs"].items():
         for path in PATHS:
-            for size, t in zip(run["sizes"], run["median_s"][path]):
+            for size, t in zip(run["sizes"], run["time_s"][path]):
                 if t is None:
                     continue
                 pred = [m.measured_layout(path, size, run["ranks"], run["nodes"], run["cores"]) for m in models]
@@ -522,9 +567,15 @@ def checks(data: dict[str, Any], models: Sequence[Model]) -> list[Check]:
     return out
 
 
-def print_checks(found: list[Check], say: Callable[..., None]) -> None:
+def held_out(found: list[Check]) -> list[Check]:
+    """The predictions the issue judges: not part of the fit, from ``CHECK_MIN`` up."""
+    return [c for c in found if not c.fitted and c.size >= CHECK_MIN]
+
+
+def print_checks(found: list[Check], statistic: str, say: Callable[..., None]) -> None:
     names = [name for name, _ in VARIANTS]
-    say("\n## Predictions against measurements (error = predicted / measured - 1; * = fitted, not predicted)\n")
+    say(f"\n## Predictions against measurements (measured: the {statistic} of each size's sweeps; error = "
+        "predicted / measured - 1; * = fitted, not predicted)\n")
     say("| layout | path | size | measured (us) | " + " | ".join(f"{n} (us) | error" for n in names) + " |")
     say("|---|---|---|---|" + "---|---|" * len(names))
     for c in found:
@@ -532,9 +583,8 @@ def print_checks(found: list[Check], say: Callable[..., None]) -> None:
         say(f"| {c.layout} | {c.path} | {human(c.size)}{'*' if c.fitted else ''} | {c.measured * 1e6:.1f} | {cells} |")
     say(f"\nHeld out, from {human(CHECK_MIN)} up: predictions within {TARGET:.0%} of the measurement, per variant")
     groups: dict[tuple[str, str], list[Check]] = {}
-    for c in found:
-        if not c.fitted and c.size >= CHECK_MIN:
-            groups.setdefault((c.layout, c.path), []).append(c)
+    for c in held_out(found):
+        groups.setdefault((c.layout, c.path), []).append(c)
     say("\n| layout | path | sizes | " + " | ".join(f"{n}: within | worst" for n in names) + " |")
     say("|---|---|---|" + "---|---|" * len(names))
     for (layout, path), cs in groups.items():
@@ -571,17 +621,26 @@ def project(model: Model, net: Network, sizes: Sequence[int], ranks: Sequence[in
             say(f"| {r} | " + " | ".join(cells) + " |")
 
 
+def within_counts(path: str, statistic: str) -> list[tuple[int, int]]:
+    """Per variant: how many held-out predictions fall within ``TARGET``, of how many, under ``statistic``."""
+    data = load_data(path, statistic)
+    found = held_out(checks(data, [fit(data["runs"][FIT_LAYOUT], constant) for _, constant in VARIANTS]))
+    return [(sum(abs(c.errors()[v]) <= TARGET for c in found), len(found)) for v in range(len(VARIANTS))]
+
+
 def predict(args: argparse.Namespace) -> int:
-    data = load_data(args.data)
+    data = load_data(args.data, args.statistic)
     runs = data["runs"]
     if FIT_LAYOUT not in runs:
         raise SystemExit(f"{args.data}: no {FIT_LAYOUT!r} run to fit on; run {_MEASURE_HINT}")
     say = print
-    say(f"# scale_model --predict: {args.data}")
+    say(f"# scale_model --predict: {args.data}, the {args.statistic} of each size's sweeps")
     for key, run in runs.items():
         load = run.get("load_average", [[None]])[0][0]
-        say(f"#   {key}: {run.get('when_utc', '?')} UTC, commit {run.get('commit') or '?'}, "
-            f"{run['machine_ranks']} ranks on {run['cores']} cores, load {load}, {run.get('mpi_library', '')}")
+        sweeps = len(run["sweeps_s"]["mpi"][0])
+        say(f"#   {key}: {run.get('when_utc', '?')} UTC, {len(run.get('rounds', [run]))} round(s), {sweeps} sweeps, "
+            f"commit {run.get('commit') or '?'}, {run['machine_ranks']} ranks on {run['cores']} cores, load {load}, "
+            f"{run.get('mpi_library', '')}")
     models = [fit(runs[FIT_LAYOUT], constant) for _, constant in VARIANTS]
     say("\n## Fitted on the 2-rank run up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
         "byte passed over or sent; sum: per byte summed; the fault, the sleep and the per-byte growth come from "
@@ -593,7 +652,11 @@ def predict(args: argparse.Namespace) -> int:
         say(f"| {name} | {m.a_window * 1e6:.2f} | {m.b_window * 1e9:.3f} | {m.a_mpi * 1e6:.2f} | "
             f"{m.b_mpi * 1e9:.3f} | {m.reduce(1.0, 0) * 1e9:.3f} | {m.machine.fault * PAGE * 1e6:.2f} | "
             f"{m.machine.sleep * 1e6:.0f} |")
-    print_checks(checks(data, models), say)
+    print_checks(checks(data, models), args.statistic, say)
+    say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "
+        + "; ".join(f"{statistic}: " + ", ".join(f"{name} {k}/{total}" for (name, _), (k, total)
+                                                 in zip(VARIANTS, within_counts(args.data, statistic)))
+                    for statistic in STATISTICS))
     net = Network(args.net_latency_us * 1e-6, args.net_gbps * 1e9 / 8)
     models[1].scratch_faults = not args.malloc_knobs
     project(models[1], net, args.project_sizes, args.project_ranks, args.per_node, say)
@@ -608,13 +671,16 @@ def measure_all(args: argparse.Namespace) -> int:
     base = {k: v for k, v in os.environ.items() if k != "MPISTRAT_PRETEND_NODES"}
     common = ["--measure", "--data", args.data, "--repeats", str(args.repeats), "--budget", str(args.budget),
               "--max-size", str(args.max_size)]
-    for ranks, pretend in ((2, None), (4, None), (4, 2)):
-        env = dict(base, MPISTRAT_PRETEND_NODES=str(pretend)) if pretend else base
-        cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
-        print(f"# {'MPISTRAT_PRETEND_NODES=' + str(pretend) + ' ' if pretend else ''}{' '.join(cmd)}", flush=True)
-        done = subprocess.run(cmd, env=env, timeout=1800, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} exited with {done.returncode}")
+    for round_ in range(args.rounds):  # the first round replaces the layouts' entries, the others add sweeps
+        for ranks, pretend in ((2, None), (4, None), (4, 2)):
+            env = dict(base, MPISTRAT_PRETEND_NODES=str(pretend)) if pretend else base
+            cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
+            cmd += ["--append"] if round_ else []
+            print(f"# round {round_ + 1}/{args.rounds}: {'MPISTRAT_PRETEND_NODES=' + str(pretend) + ' ' if pretend else ''}"
+                  f"{' '.join(cmd)}", flush=True)
+            done = subprocess.run(cmd, env=env, timeout=1800, check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)} exited with {done.returncode}")
     return predict(args)
 
 
@@ -644,7 +710,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--predict", action="store_true", help="fit, check and project from --data (no MPI)")
     mode.add_argument("--all", action="store_true", help="measure the three layouts (mpiexec), then predict")
     parser.add_argument("--data", default=DEFAULT_DATA, help="the measurements (JSON; default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="sweeps over the sizes per measurement")
+    parser.add_argument("--repeats", type=int, default=2, help="sweeps over the sizes per measurement")
+    parser.add_argument("--append", action="store_true", help="--measure: add the sweeps to the layout's in --data")
+    parser.add_argument("--rounds", type=int, default=3, help="--all: measure the three layouts this many times")
+    parser.add_argument("--statistic", choices=STATISTICS, default="min",
+                        help="--predict: of a size's sweeps, the one fitted and checked (default: %(default)s)")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per size and sweep")
     parser.add_argument("--max-size", type=_size, default=SIZES[-1])
     parser.add_argument("--net-latency-us", type=float, default=DEFAULT_NET_LATENCY_US)
@@ -656,8 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project-ranks", type=_power_of_two, nargs="+", default=[2 << i for i in range(10)])
     parser.add_argument("--per-node", type=_power_of_two, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.budget <= 0 or args.net_latency_us < 0 or args.net_gbps <= 0:
-        parser.error("--repeats must be >= 1, --budget and --net-gbps > 0, --net-latency-us >= 0")
+    if args.repeats < 1 or args.rounds < 1 or args.budget <= 0 or args.net_latency_us < 0 or args.net_gbps <= 0:
+        parser.error("--repeats and --rounds must be >= 1, --budget and --net-gbps > 0, --net-latency-us >= 0")
     if args.max_size < FIT_MAX:
         parser.error(f"--max-size must be at least {human(FIT_MAX)} (the fit's range)")
     if args.measure:
