@@ -56,7 +56,6 @@ from mpi4py import MPI
 import mpistrat as ms
 from mpistrat.comm import CommunicationOptions, RankCommunicator
 from mpistrat.comm.transport.shm.allreduce import ShmTransport
-from mpistrat.comm.transport.shm.calibration import AUTO_CHUNK_BYTES
 
 
 @dataclass
@@ -377,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"# wrote {args.plot}")
     shm = next((b for b in rc.transports if isinstance(b, ShmTransport)), None)
     if shm is not None and shm.chunk_calibration:
-        nbytes, one_pass, chunked = shm.chunk_calibration[0]
+        nbytes, chunk, one_pass, chunked = shm.chunk_calibration[0]
         say(f"# automatic chunks: {human(nbytes)} in one pass {one_pass * 1e3:.2f} ms, in "
-            f"{human(AUTO_CHUNK_BYTES)} chunks {chunked * 1e3:.2f} ms -> chunk_bytes={shm.chunk_bytes}")
+            f"{human(chunk)} chunks {chunked * 1e3:.2f} ms -> chunk_bytes={shm.chunk_bytes}")
     fused_table(ctx, args, say)
     check_cost(ctx, args, say)
     if window is not None:

@@ -44,7 +44,7 @@ OUTCOMES = {
     "default": {},
     "chunks-measured": {"MPISTRAT_SHM_CHUNK_BYTES": "auto"},
     "chunks-measured-off": {"MPISTRAT_SHM_CHUNK_BYTES": "0"},
-    "chunks-measured-on": {"MPISTRAT_SHM_CHUNK_BYTES": str(calibration.AUTO_CHUNK_BYTES)},
+    "chunks-measured-on": {"MPISTRAT_SHM_CHUNK_BYTES": str(512 << 10)},
     "small-l2": {"MPISTRAT_SHM_BLOCK_BYTES": "16K", "MPISTRAT_SHM_CHUNK_BYTES": "256K"},
     "large-l2": {"MPISTRAT_SHM_BLOCK_BYTES": "1M", "MPISTRAT_SHM_CHUNK_BYTES": "4M"},
     "agreement-over-mpi": {"MPISTRAT_AGREEMENT": "mpi"},

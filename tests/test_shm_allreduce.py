@@ -471,8 +471,9 @@ def test_chunk_size_is_agreed_over_the_ranks():
 
 @pytest.mark.mpi(min_size=2)
 def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set(monkeypatch):
-    """With ``auto`` the chunk size is left open, decided (the same on every rank) by a measurement at the
-    first array of at least CHUNK_MEASURE_MIN, and reused by later backends on the same ranks."""
+    """With ``auto`` the chunk size is left open, decided (the same on every rank) by a measurement of the
+    node's chunk (the default's size, where ranks outnumber cores too) against one pass at the first array
+    of at least CHUNK_MEASURE_MIN, and reused by later backends on the same ranks."""
     monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", "auto")
     monkeypatch.setattr(shm_calibration, "CHUNK_DECISIONS", {})
     comm = MPI.COMM_WORLD
@@ -480,7 +481,10 @@ def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set
     first = ShmTransport(comm, min_bytes=0)
     try:
         assert first.chunk_bytes is None and first.chunk_calibration == []
-        for count in (1000, 2 * shm_calibration.AUTO_CHUNK_BYTES // 4):  # 4 KB, and two chunks' worth
+        node_chunk = config.node_chunk_bytes(first.topology.machine_size)
+        assert len(set(comm.allgather(node_chunk))) == 1  # one machine: the chunk every rank proposed
+        assert first.default_chunk_bytes == (0 if first.topology.oversubscribed else node_chunk)
+        for count in (1000, shm_calibration.CHUNK_MEASURE_MIN // 4 - 1):  # 4 KB, and one item short of deciding
             short = _data(count, "float32", comm.rank)
             first.allreduce_array(short, np.empty_like(short), "sum")
         assert first.chunk_bytes is None, "short arrays must not start the measurement"
@@ -489,10 +493,11 @@ def test_automatic_chunks_are_measured_at_the_first_long_array_once_per_rank_set
         comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
         got = np.empty_like(x)
         first.allreduce_array(x, got, "sum")
-        assert first.chunk_bytes in (0, shm_calibration.AUTO_CHUNK_BYTES)
+        assert first.chunk_bytes in (0, node_chunk)
         assert len(set(comm.allgather(first.chunk_bytes))) == 1, "every rank must cut the same chunks"
-        [(nbytes, one_pass, chunked)] = first.chunk_calibration
+        [(nbytes, chunk, one_pass, chunked)] = first.chunk_calibration
         assert nbytes == long_count * 4 and one_pass > 0 and chunked > 0  # measured at the deciding size
+        assert chunk == node_chunk
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
         assert len({g.tobytes() for g in comm.allgather(got)}) == 1
     finally:
@@ -514,7 +519,7 @@ def test_an_explicit_chunk_size_is_never_measured(monkeypatch, setting):
     comm = MPI.COMM_WORLD
     b = ShmTransport(comm, min_bytes=0)
     try:
-        x = _data(3 * shm_calibration.AUTO_CHUNK_BYTES // 4, "float32", comm.rank)
+        x = _data(3 * config.default_chunk_bytes()[0] // 4, "float32", comm.rank)
         b.allreduce_array(MPI.IN_PLACE, x, "sum")
         assert b.chunk_bytes == parse_bytes(setting, "chunk") and b.chunk_calibration == []
         assert shm_calibration.CHUNK_DECISIONS == {}

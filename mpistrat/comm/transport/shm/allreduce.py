@@ -189,11 +189,13 @@ class ShmTransport(Transport):
         # synchronisations cost scheduler hand-overs there, more than the cache saves (4 ranks on 2 cores:
         # one pass 2x faster at 4-16 MiB, benchmarks/README.md). Rules on counts and sizes, the smallest
         # over the ranks (agreed with the owners in one reduction), never a timing; on one or two nodes
-        # chunks never change the order of a sum (see _chunk_items).
-        proposed = np.array([lay.local_size, 0 if self.topology.oversubscribed
-                             else config.node_chunk_bytes(self.topology.machine_size)], np.int64)
+        # chunks never change the order of a sum (see _chunk_items). ``auto`` times the node's chunk
+        # against one pass, where ranks outnumber cores too.
+        node_chunk = config.node_chunk_bytes(self.topology.machine_size)
+        proposed = np.array([lay.local_size, 0 if self.topology.oversubscribed else node_chunk, node_chunk],
+                            np.int64)
         lay.comm.Allreduce(MPI.IN_PLACE, proposed, op=MPI.MIN)
-        self.owners, default_chunk = int(proposed[0]), int(proposed[1])
+        self.owners, self.default_chunk_bytes, self._node_chunk_bytes = (int(v) for v in proposed)
         self.waiter = self.topology.waiter
         direct = one_sync_max_bytes(self.topology)
         pushes = lay.num_nodes == 1 and lay.local_size > 1  # owners push results into every segment
@@ -202,7 +204,8 @@ class ShmTransport(Transport):
         # allreduce_array's results in shared memory, written by the owners (results.py).
         self.result_blocks = ResultBlocks(lay.node_comm, pushes, self.direct_max_bytes, SLOTS * self.max_bytes)
         self.chunk_bytes: int | None = None  # None: measured at the first long array (_set_chunk_bytes)
-        self.chunk_calibration: list[tuple[int, float, float]] = []  # (bytes, one pass s, chunked s)
+        # (bytes reduced, chunk bytes, one pass s, chunked s)
+        self.chunk_calibration: list[tuple[int, int, float, float]] = []
         self.timeout_seconds = timeout_seconds
         self._window: SharedWindow | None = None
         self._sync: NodeSync | None = None
@@ -228,7 +231,7 @@ class ShmTransport(Transport):
         else:
             self.min_bytes = MIN_BYTES
         self._one_pass_max = self.direct_max_bytes  # see _set_chunk_bytes
-        self._set_chunk_bytes(default_chunk if agreed.chunk_default else agreed.chunk_bytes)
+        self._set_chunk_bytes(self.default_chunk_bytes if agreed.chunk_default else agreed.chunk_bytes)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
@@ -519,25 +522,26 @@ class ShmTransport(Transport):
 
     def _chunk_items(self, count: int, dtype: np.dtype) -> int:
         """Items per chunk for an array of ``count`` (0: one pass). When ``chunk_bytes`` was left to
-        measurement, the first array of at least ``CHUNK_MEASURE_MIN`` bytes decides it (collective:
-        every rank reduces the same array; the communicator sends every rank's single arrays here,
-        whatever their memory layout). On one node, or two, chunks never change the order in which
-        values are summed; across three nodes or more they cut the slices MPI reduces across nodes,
-        and MPI may choose its algorithm, so the order, by message size: there ``auto`` takes the
-        default chunk, never a measurement, so a program gives the same bits on an idle machine and a
-        loaded one."""
+        measurement, the first array of at least ``CHUNK_MEASURE_MIN`` bytes decides it, the node's
+        chunk or none (collective: every rank reduces the same array; the communicator sends every
+        rank's single arrays here, whatever their memory layout). On one node, or two, chunks never
+        change the order in which values are summed; across three nodes or more they cut the slices
+        MPI reduces across nodes, and MPI may choose its algorithm, so the order, by message size:
+        there ``auto`` takes the default chunk, never a measurement, so a program gives the same bits
+        on an idle machine and a loaded one."""
         if self.chunk_bytes is None:
             if self._closed or count * dtype.itemsize < calibration.CHUNK_MEASURE_MIN:
                 return 0
             assert self.layout is not None
             lay = self.layout
             if lay.num_nodes >= 3:
-                self._set_chunk_bytes(calibration.AUTO_CHUNK_BYTES)
+                self._set_chunk_bytes(self.default_chunk_bytes)
                 return self.chunk_bytes // dtype.itemsize
             key = (group_key(lay.comm), lay.num_nodes, lay.local_size, self.owners, self.sync_kind,
-                   self.max_bytes)
+                   self.max_bytes, self._node_chunk_bytes)
             chunk_bytes, self.chunk_calibration = calibration.measure_chunks(
-                lay.comm, key, lambda src, dst, chunk: self.reduce_in_chunks(src, dst, "sum", chunk), count, dtype)
+                lay.comm, key, lambda src, dst, chunk: self.reduce_in_chunks(src, dst, "sum", chunk), count, dtype,
+                self._node_chunk_bytes)
             self._set_chunk_bytes(chunk_bytes)
         return self.chunk_bytes // dtype.itemsize
 

@@ -12,17 +12,13 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import config
-
 __all__ = [
-    "AUTO_CHUNK_BYTES",
     "CHUNK_MEASURE_MIN",
     "CHUNK_DECISIONS",
     "measure_chunks",
     "time_alternating",
 ]
 
-AUTO_CHUNK_BYTES = config.default_chunk_bytes()[0]  # the chunk ``auto`` measures and uses: half of L2
 CHUNK_MEASURE_MIN = 4 << 20  # the first array this long decides (four chunks or more)
 CHUNK_MEASURE_MAX = 16 << 20  # the longest array the chunk measurement reduces
 CHUNK_REPS = 5
@@ -59,14 +55,16 @@ def time_alternating(
 
 def measure_chunks(
     comm: MPI.Comm, key: tuple, reduce_in_chunks: Callable[[np.ndarray, np.ndarray, int], None], count: int,
-    dtype: np.dtype,
-) -> tuple[int, list[tuple[int, float, float]]]:
-    """``AUTO_CHUNK_BYTES`` if reducing ``count`` items of ``dtype`` (at most ``CHUNK_MEASURE_MAX``
-    bytes of them) in such chunks beats one pass, else 0; and the measurement ``(bytes, one pass s,
-    chunked s)`` (collective over ``comm``; cached under ``key``, empty then).
+    dtype: np.dtype, chunk_bytes: int,
+) -> tuple[int, list[tuple[int, int, float, float]]]:
+    """``chunk_bytes`` (the same on every rank) if reducing ``count`` items of ``dtype`` (at most
+    ``CHUNK_MEASURE_MAX`` bytes of them) in such chunks beats one pass, else 0; and the measurement
+    ``(bytes, chunk_bytes, one pass s, chunked s)`` (collective over ``comm``; cached under ``key``,
+    empty then).
 
     ``MPISTRAT_SHM_CHUNK_BYTES=auto`` leaves this choice to this function: at the first array of at
-    least ``CHUNK_MEASURE_MIN`` bytes, ``AUTO_CHUNK_BYTES`` chunks are timed against one pass
+    least ``CHUNK_MEASURE_MIN`` bytes, chunks of ``chunk_bytes`` (the transport passes the node's
+    chunk, ``config.node_chunk_bytes``) are timed against one pass
     (alternating, each after a barrier, the slowest rank's time per repetition, the first repetition
     dropped: :func:`time_alternating`), decided on rank 0 and broadcast, so every rank cuts the same
     chunks. The result is cached per process by rank set, so it is measured once.
@@ -86,12 +84,12 @@ def measure_chunks(
         out = np.empty_like(source)
         ways = [
             lambda chunk=chunk: reduce_in_chunks(source, out, chunk)
-            for chunk in (0, AUTO_CHUNK_BYTES // dtype.itemsize)
+            for chunk in (0, chunk_bytes // dtype.itemsize)
         ]
         one_pass, chunked = np.median(time_alternating(private, ways, CHUNK_REPS), axis=1)
-        decision = AUTO_CHUNK_BYTES if chunked <= one_pass * CHUNK_MARGIN else 0
+        decision = chunk_bytes if chunked <= one_pass * CHUNK_MARGIN else 0
         decision = int(private.bcast(decision, root=0))
     finally:
         private.Free()
     CHUNK_DECISIONS[key] = decision
-    return decision, [(n * dtype.itemsize, float(one_pass), float(chunked))]
+    return decision, [(n * dtype.itemsize, chunk_bytes, float(one_pass), float(chunked))]
