@@ -387,6 +387,40 @@ def test_communicator_async_results_and_order():
         comm.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_repeated_blocking_calls_keep_the_lean_path_after_an_async_call_and_wait_for_it():
+    """Once a communicator has run an asynchronous call, a repeated blocking all-reduce (one array, or a list
+    of NumPy arrays) still takes the repeat path, not the general one, after what was started before it."""
+    comm = RankCommunicator()
+    try:
+        single = np.arange(1000, dtype=np.float64) * (comm.rank + 1)
+        grads = [np.full(300, comm.rank + 1.0, np.float32), np.arange(6, dtype=np.float32).reshape(2, 3)]
+        expected = [comm.allreduce([single], "sum"), comm.allreduce(grads, "sum")]  # planned
+        comm.allreduce_async([np.ones(5)], "sum").result()
+        assert comm._worker is not None, "the asynchronous call ran on the communicator's worker"
+        general = []
+        planned = comm._allreduce
+
+        def counted(*args, **kwargs):
+            general.append(args)
+            return planned(*args, **kwargs)
+
+        comm._allreduce = counted  # the general path (plan, agreement, execute), called by allreduce
+        for _ in range(3):
+            started = comm.allreduce_async([np.full(1 << 16, 2.0)], "sum")
+            got = comm.allreduce([single], "sum")
+            assert started.done(), "the blocking call ran after the one started before it"
+            later = comm.allreduce_async([np.full(7, 3.0)], "max")
+            got_list = comm.allreduce(grads, "sum")
+            assert later.done()
+            assert np.array_equal(got[0], expected[0][0])
+            assert all(np.array_equal(x, y) for x, y in zip(got_list, expected[1]))
+        # only the first asynchronous call of each signature plans; every repeat takes the repeat path
+        assert [args[1] for args in general] == ["sum", "max"]
+    finally:
+        comm.close()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_close_finishes_what_was_started():
     comm = RankCommunicator()

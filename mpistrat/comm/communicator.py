@@ -288,10 +288,13 @@ class RankCommunicator:
         with the first call. Where the check folds into the transport's synchronisation (``FOLD``: one
         node, host arrays up to 4 MiB) the plan's :class:`FoldedCheck` is the hook, and the call is the
         pool's result, the transport and the check, each called once (``_execute`` and ``run_steps`` for
-        that case). The check still runs on every call, before any data is combined."""
+        that case). The check still runs on every call, before any data is combined. Calls started
+        asynchronously before it finish first, as before any collective."""
         plan = self._planner.singles.get((op, divisor, a.shape, a.dtype, type(a)))
-        if plan is None or self.size == 1 or self._worker is not None or timeline.enabled():
+        if plan is None or self.size == 1 or timeline.enabled():
             return None
+        if self._worker is not None:
+            self._worker.drain()
         folded = plan.folded
         if folded is None:
             return self._execute(plan, [a], False, plan.repeat_mode, self._timeout, self._pack)[0]
@@ -323,8 +326,10 @@ class RankCommunicator:
         (``Planner.file_list``), else None: the caller then calls :meth:`allreduce`. The check runs as for
         any repeated call of the plan."""
         filed = self._planner.lists.get((op, divisor, len(arrays)))
-        if filed is None or self._worker is not None or timeline.enabled():
+        if filed is None or timeline.enabled():
             return None
+        if self._worker is not None:  # calls started asynchronously before this one run first
+            self._worker.drain()
         arrays = list(arrays)  # what is matched is what is reduced, whatever happens to the caller's list
         if not filed[0].matches(arrays):
             return None
