@@ -230,6 +230,31 @@ def test_a_failing_update_leaves_every_variables_copies_equal():
     assert [c_.numpy().tolist() for c_ in c.values] == [[1.0, 1.0]] * 2
 
 
+@pytest.mark.parametrize("optimizer", [SGD(0.5), Adam(0.5)], ids=["sgd", "adam"])
+def test_a_variable_of_another_strategy_is_refused_before_any_copy_changes(optimizer):
+    """Mirrored variables updated with no strategy in scope (the default strategy, one replica): a clear error
+    naming both strategies, and every copy, slot and the step count as they were (it used to raise IndexError
+    after updating the first copy)."""
+    strategy = ms.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        first = ms.Variable(np.ones(3, np.float32), name="first")
+        mirrored = ms.Variable(np.ones(3, np.float32), name="mirrored")
+        opt = type(optimizer)(0.5)
+        opt.apply_gradients([(np.ones(3, np.float32), first), (np.ones(3, np.float32), mirrored)])  # slots made
+    before = {name: [c.numpy().copy() for c in v.values] for name, v in (("first", first), ("mirrored", mirrored))}
+    slots = [c.numpy().copy() for s in opt.variables[1:] for c in s.values]
+    with pytest.raises(ValueError, match=r"MirroredVariable 'first' has 2 copies \(made under <MirroredStrategy.*"
+                                         r"updated under <_DefaultDistributionStrategy>.*nothing was updated"):
+        opt.apply_gradients([(np.ones(3, np.float32), first), (np.ones(3, np.float32), mirrored)])
+    for name, v in (("first", first), ("mirrored", mirrored)):
+        assert all(np.array_equal(c.numpy(), b) for c, b in zip(v.values, before[name])), name
+    assert all(np.array_equal(c.numpy(), b) for c, b in zip((c for s in opt.variables[1:] for c in s.values), slots))
+    assert int(opt.iterations.numpy()) == 1
+    with pytest.raises(ValueError, match="has 2 copies"):
+        ms.get_strategy().extended.update(mirrored, lambda copy: copy.assign_add(np.ones(3, np.float32)))
+    assert all(np.array_equal(c.numpy(), b) for c, b in zip(mirrored.values, before["mirrored"]))
+
+
 def test_constraints_project_after_every_update_as_keras():
     """A variable given twice is updated twice, then projected once (Keras 3 applies the constraints after
     applying every gradient): 1 - 2 + 1 = 0, clipped into [0.5, 2]."""

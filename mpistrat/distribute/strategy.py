@@ -413,6 +413,7 @@ class StrategyExtended:
         per-copy results.
         """
         kwargs = kwargs or {}
+        self._require_updatable((var,))
         if not self._is_default:
             replica_ctx = context.get_replica_context()
             if replica_ctx is not None and replica_ctx.strategy is self._container_strategy():
@@ -456,6 +457,7 @@ class StrategyExtended:
         :meth:`update` one variable at a time (a strategy's own ``update`` included).
         """
         n = self._num_local
+        self._require_updatable(variables)
         if self._is_default or not all(isinstance(v, DistributedValues) and len(v.values) == n for v in variables):
             for j, (var, value) in enumerate(zip(variables, values)):
                 self.update(var, fn, (value, j), group=False)
@@ -483,6 +485,20 @@ class StrategyExtended:
                         fn(component, select_replica(i, value) if distributed else value, j)
                 finally:
                     context.pop(frame)
+
+    def _require_updatable(self, variables: Sequence[Any]) -> None:
+        """Raise ValueError, before anything is updated, where a distributed value in ``variables`` has not one
+        copy per local replica of this strategy (made under another strategy's scope): updating its copies
+        on this strategy's devices would stop part way, the copies no longer equal."""
+        n = self._num_local
+        for var in variables:
+            if isinstance(var, DistributedValues) and len(var.values) != n:
+                owner = getattr(var, "_distribute_strategy", None)
+                raise ValueError(
+                    f"{type(var).__name__} {getattr(var, 'name', '')!r} has {len(var.values)} copies "
+                    f"(made under {owner if owner is not None else 'another strategy'}) but is updated under "
+                    f"{self._container_strategy()}, which has {n} local replica{'s' if n != 1 else ''}: update it "
+                    f"inside the scope or the run of the strategy that created it; nothing was updated")
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable holding ``value`` when it is one of its copies, else ``value``."""

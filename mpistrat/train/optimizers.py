@@ -169,6 +169,7 @@ class Optimizer:
 
     def _distributed_apply(self, strategy: Any, grads: list, var_list: list) -> Any:
         self.build(var_list)
+        strategy.extended._require_updatable(var_list + [self._iterations])  # before any of them changes
         step = int(np.asarray(self._iterations.numpy())) + 1
         coefficients = self._coefficients(step)
         slots = [self._slots[_key(v)] for v in var_list]
