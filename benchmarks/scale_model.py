@@ -160,18 +160,28 @@ def measure(args: argparse.Namespace) -> int:
     machine = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     cores = len(set().union(*machine.allgather(os.sched_getaffinity(0))))
     machine_ranks = machine.Get_size()
+    key = layout_key(world.Get_size(), lay.num_nodes, lay.pretend)
+    facts = {"ranks": world.Get_size(), "nodes": lay.num_nodes, "local": lay.local_size, "machine_ranks": machine_ranks,
+             "cores": cores, "sizes": sizes, "window": window.describe(),
+             "mpi_library": MPI.Get_library_version().splitlines()[0].strip(), "commit": _commit()}
+    stored = 0  # sweeps of this layout already in the file (--append): the next sweep's order follows them
+    if args.append:
+        problem, stored = world.bcast(_append_state(args.data, key, facts) if world.Get_rank() == 0 else None, root=0)
+        if problem:
+            window.close()
+            machine.Free()
+            raise SystemExit(f"scale_model.py --measure --append: {problem}")
     shm_probe, private_probe, fault_probe, probe_win = _memory_probes(machine, max(sizes))
     names = list(PATHS) + list(PROBES)
     medians: dict[str, list[list[float]]] = {name: [[] for _ in sizes] for name in names}
     iters: list[list[int]] = [[] for _ in sizes]
     say = print if world.Get_rank() == 0 else (lambda *a, **k: None)
-    key = layout_key(world.Get_size(), lay.num_nodes, lay.pretend)
     load_before = os.getloadavg()
     say(f"# scale_model --measure: {key} ({lay.local_size} per node), {machine_ranks} ranks on {cores} cores; "
         f"{args.repeats} sweeps, {args.budget} s per size", flush=True)
     started = time.time()
     for sweep in range(args.repeats):
-        for i in np.random.default_rng([SWEEP_ORDER_SEED, sweep]).permutation(len(sizes)).tolist():
+        for i in np.random.default_rng([SWEEP_ORDER_SEED, stored + sweep]).permutation(len(sizes)).tolist():
             size = sizes[i]
             count = size // 4
             buf = np.zeros(count, dtype=np.float32)
@@ -196,14 +206,12 @@ def measure(args: argparse.Namespace) -> int:
                 + " ".join(f"{name} {medians[name][i][-1] * 1e6:.1f}" for name in fns) + " us", flush=True)
     sleep = world.allreduce(_sleep_cost(SLEEP_SECONDS), op=MPI.MAX)
     run = {
-        "ranks": world.Get_size(), "nodes": lay.num_nodes, "local": lay.local_size, "pretend": lay.pretend,
-        "machine_ranks": machine_ranks, "cores": cores, "sizes": sizes,
+        **facts, "pretend": lay.pretend,
         "median_s": {name: [statistics.median(v) if v else None for v in medians[name]] for name in names},
         "sweeps_s": medians, "iterations": iters, "sleep_s": sleep, "sleep_asked_s": SLEEP_SECONDS,
-        "window": window.describe(), "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
         "numpy": np.__version__, "when_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
         "seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()],
-        "commit": _commit(), "argv": sys.argv,
+        "argv": sys.argv,
     }
     window.close()
     probe_win.Free()
@@ -260,6 +268,8 @@ def _merge(path: str, key: str, run: dict[str, Any], append: bool = False) -> No
     if append and earlier is not None:
         run = _appended(earlier, run)
     data["runs"][key] = run
+    for entry in data["runs"].values():
+        entry.pop("time_s", None)  # load_data's, derived from the sweeps
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -267,15 +277,33 @@ def _merge(path: str, key: str, run: dict[str, Any], append: bool = False) -> No
 
 
 _LAYOUT_FIELDS = ("ranks", "nodes", "local", "machine_ranks", "cores", "sizes")
-_ROUND_FIELDS = ("when_utc", "seconds", "load_average", "commit", "sleep_s")
+_APPEND_FIELDS = _LAYOUT_FIELDS + ("window", "mpi_library", "commit")  # the same on every round of a layout
+_ROUND_FIELDS = ("when_utc", "seconds", "load_average", "sleep_s", "argv")
+
+
+def _mismatch(earlier: dict[str, Any], facts: dict[str, Any]) -> str | None:
+    """Why sweeps of a run with ``facts`` cannot join the entry ``earlier`` (None: they can)."""
+    for field in _APPEND_FIELDS:
+        if earlier.get(field) != facts.get(field):
+            return (f"the data file's run has {field}={earlier.get(field)!r}, this one {facts.get(field)!r}; "
+                    "measure without --append")
+    return None
+
+
+def _append_state(path: str, key: str, facts: dict[str, Any]) -> tuple[str | None, int]:
+    """Before measuring with ``--append``: why this run's sweeps could not join ``key``'s entry of ``path``
+    (None: they can), and how many sweeps the entry holds (0: no entry yet)."""
+    earlier = load_data(path)["runs"].get(key) if os.path.exists(path) else None
+    if earlier is None:
+        return None, 0
+    return _mismatch(earlier, facts), len(earlier["sweeps_s"]["mpi"][0])
 
 
 def _appended(earlier: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     """``earlier`` with ``run``'s sweeps added: medians over all sweeps, each round's facts kept."""
-    for field in _LAYOUT_FIELDS:
-        if earlier.get(field) != run[field]:
-            raise ValueError(f"--append: the data file's run has {field}={earlier.get(field)!r}, this one "
-                             f"{run[field]!r}; measure without --append")
+    problem = _mismatch(earlier, run)
+    if problem:
+        raise ValueError(f"--append: {problem}")
     merged = dict(run)
     merged["sweeps_s"] = {name: [a + b for a, b in zip(earlier["sweeps_s"][name], sweeps)]
                           for name, sweeps in run["sweeps_s"].items()}
@@ -285,7 +313,8 @@ def _appended(earlier: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     merged["rounds"] = earlier.get("rounds", [{f: earlier.get(f) for f in _ROUND_FIELDS}])
     merged["rounds"] = merged["rounds"] + [{f: run.get(f) for f in _ROUND_FIELDS}]
     merged["sleep_s"] = statistics.median(r["sleep_s"] for r in merged["rounds"])
-    merged["when_utc"] = earlier.get("when_utc")
+    for field in ("when_utc", "load_average", "argv"):  # the entry's own: its first round's
+        merged[field] = earlier.get(field)
     merged["seconds"] = round(sum(r["seconds"] or 0 for r in merged["rounds"]), 1)
     return merged
 
@@ -636,10 +665,11 @@ def predict(args: argparse.Namespace) -> int:
     say = print
     say(f"# scale_model --predict: {args.data}, the {args.statistic} of each size's sweeps")
     for key, run in runs.items():
-        load = run.get("load_average", [[None]])[0][0]
-        sweeps = len(run["sweeps_s"]["mpi"][0])
-        say(f"#   {key}: {run.get('when_utc', '?')} UTC, {len(run.get('rounds', [run]))} round(s), {sweeps} sweeps, "
-            f"commit {run.get('commit') or '?'}, {run['machine_ranks']} ranks on {run['cores']} cores, load {load}, "
+        rounds = run.get("rounds", [run])
+        when = ", ".join(f"{r.get('when_utc') or '?'}" for r in rounds)
+        load = ", ".join(f"{r['load_average'][0][0]:.2f}" if r.get("load_average") else "?" for r in rounds)
+        say(f"#   {key}: {len(rounds)} round(s) at {when} UTC (load {load}), {len(run['sweeps_s']['mpi'][0])} sweeps, "
+            f"commit {run.get('commit') or '?'}, {run['machine_ranks']} ranks on {run['cores']} cores, "
             f"{run.get('mpi_library', '')}")
     models = [fit(runs[FIT_LAYOUT], constant) for _, constant in VARIANTS]
     say("\n## Fitted on the 2-rank run up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
@@ -675,7 +705,7 @@ def measure_all(args: argparse.Namespace) -> int:
         for ranks, pretend in ((2, None), (4, None), (4, 2)):
             env = dict(base, MPISTRAT_PRETEND_NODES=str(pretend)) if pretend else base
             cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
-            cmd += ["--append"] if round_ else []
+            cmd += ["--append"] if round_ or args.append else []
             print(f"# round {round_ + 1}/{args.rounds}: {'MPISTRAT_PRETEND_NODES=' + str(pretend) + ' ' if pretend else ''}"
                   f"{' '.join(cmd)}", flush=True)
             done = subprocess.run(cmd, env=env, timeout=1800, check=False)

@@ -26,8 +26,9 @@ same batches, with the same forward and backward code:
 * ``barrier`` (a bound, not a training step): raw's step with one ``comm.Barrier()`` in
   place of the 8 ``Allreduce`` calls, each rank updating with its own gradients. Every
   all-reduce waits for the slowest rank's backward as the barrier does, and moves data
-  besides, so raw / barrier is the most any all-reduce could make of the paired ratio.
-  Its weights are not checked: its ranks train apart.
+  besides, so raw / barrier is about the most any all-reduce could make of the paired
+  ratio (a bound up to the difference between MPICH's barrier and the synchronisation
+  of an all-reduce). Its weights are not checked: its ranks train apart.
 
 Method (that of ``allreduce.py``): warm-up steps of every mode first; then each iteration
 runs one step of every mode, in a new random order per iteration (a fixed seed, so the
@@ -148,7 +149,7 @@ def gradients(params: Sequence[np.ndarray], x: np.ndarray, labels: np.ndarray) -
     return grads
 
 
-# -- the three steps ------------------------------------------------------------------
+# -- the steps ------------------------------------------------------------------------
 class RawStep:
     """The step written with raw mpi4py: one ``Allreduce(IN_PLACE)`` per gradient, SGD in NumPy."""
 
@@ -444,7 +445,9 @@ def aggregate(runs: dict[int, list[dict]], names: Sequence[str]) -> dict[int, di
 def print_table(table: dict[int, dict[str, dict]], names: Sequence[str], runs: int) -> None:
     print(f"\n# medians over {runs} run(s) per rank count; efficiency = examples/s / (ranks x the same mode's "
           f"examples/s at 1 rank); pair = median over iterations of raw step time / this step time "
-          f"(median [min-max] over runs)")
+          f"(median [min-max] over runs)"
+          + ("; barrier: raw's step with a Barrier for its reductions, a bound, not training"
+             if "barrier" in names else ""))
     print(f"{'ranks':>5} {'mode':10} {'step ms':>8} {'examples/s':>11} {'efficiency':>10} {'reducing':>9} "
           f"{'updating':>9} {'pair to raw':>22}")
     for n in sorted(table):
@@ -461,8 +464,9 @@ def plot(path: str, table: dict[int, dict[str, dict]], names: Sequence[str]) -> 
     from plotting import line_plot
 
     ranks = sorted(table)
-    series = {name: (ranks, [table[n][name]["examples_per_s"] for n in ranks]) for name in names}
-    dashed = []
+    label = {name: f"{name} (bound: no reduction)" if name in UNCHECKED_MODES else name for name in names}
+    series = {label[name]: (ranks, [table[n][name]["examples_per_s"] for n in ranks]) for name in names}
+    dashed = [label[name] for name in names if name in UNCHECKED_MODES]
     if 1 in table:
         series["linear scaling of raw at 1 rank"] = (ranks, [n * table[1]["raw"]["examples_per_s"] for n in ranks])
         dashed.append("linear scaling of raw at 1 rank")

@@ -228,8 +228,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPISTRAT_SHM_BLOCK_BYTES", "shm_block_bytes", parse_bytes, None,
              "block of the shared-memory reduce-scatter (default: an eighth of the L2 cache)"),
     Variable("MPISTRAT_SHM_CHUNK_BYTES", "shm_chunk_bytes", _chunk_bytes, None,
-             "single arrays longer than this are reduced chunk by chunk (default: half of the L2 cache; "
-             "0: never; auto: measured)"),
+             "single arrays longer than this are reduced chunk by chunk (default: sized to the last-level "
+             "cache, none where ranks outnumber cores; 0: never; auto: measured)"),
     Variable("MPISTRAT_COMPILED_LANE", "compiled_lane", parse_bool, True,
              "repeated small all-reduces on one node in one compiled call, where the extension was built"),
     Variable("MPISTRAT_AGREEMENT", "agreement", _choice("auto", "mpi"), "auto",

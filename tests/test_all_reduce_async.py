@@ -390,7 +390,8 @@ def test_communicator_async_results_and_order():
 @pytest.mark.mpi(min_size=2)
 def test_repeated_blocking_calls_keep_the_lean_path_after_an_async_call_and_wait_for_it():
     """Once a communicator has run an asynchronous call, a repeated blocking all-reduce (one array, or a list
-    of NumPy arrays) still takes the repeat path, not the general one, after what was started before it."""
+    of NumPy arrays) still takes the repeat path, not the general one, after what was started before it;
+    the worker's own repeats take it too, but not the compiled lane, which holds the GIL."""
     comm = RankCommunicator()
     try:
         single = np.arange(1000, dtype=np.float64) * (comm.rank + 1)
@@ -406,7 +407,19 @@ def test_repeated_blocking_calls_keep_the_lean_path_after_an_async_call_and_wait
             return planned(*args, **kwargs)
 
         comm._allreduce = counted  # the general path (plan, agreement, execute), called by allreduce
+        plan = next(p for key, p in comm._planner.singles.items() if key[2] == single.shape)
+        lane_threads = []
+        if plan.lane is not None:  # the compiled lane of this layout: record the threads calling it
+            compiled = plan.lane
+
+            def lane(src, dst):
+                lane_threads.append(threading.get_ident())
+                return compiled(src, dst)
+
+            plan.lane = lane
         for _ in range(3):
+            from_worker = comm.allreduce_async([single], "sum")
+            assert np.array_equal(from_worker.result()[0], expected[0][0])
             started = comm.allreduce_async([np.full(1 << 16, 2.0)], "sum")
             got = comm.allreduce([single], "sum")
             assert started.done(), "the blocking call ran after the one started before it"
@@ -417,6 +430,8 @@ def test_repeated_blocking_calls_keep_the_lean_path_after_an_async_call_and_wait
             assert all(np.array_equal(x, y) for x, y in zip(got_list, expected[1]))
         # only the first asynchronous call of each signature plans; every repeat takes the repeat path
         assert [args[1] for args in general] == ["sum", "max"]
+        if plan.lane is not None:
+            assert lane_threads and set(lane_threads) == {threading.get_ident()}, "the caller's calls only"
     finally:
         comm.close()
 

@@ -38,13 +38,14 @@ REPO = Path(__file__).resolve().parents[1]
 # cores), the reduce-scatter, and at least CHUNK_MEASURE_MIN (4 MiB), where chunks are measured under auto.
 COUNTS = (100, 5_000, 25_000, 150_000, calibration.CHUNK_MEASURE_MIN // 4 + 12_345)
 
-# The settings each start-up outcome leaves (the measurement's two answers, an L2 cache of 128 KiB or of
-# 8 MiB behind the default block and chunk, the agreement check over MPI, the window at every size).
+# The settings each start-up outcome leaves (the measurement's two answers: none, or the node's chunk, here
+# that of two ranks per machine; an L2 cache of 128 KiB or of 8 MiB behind the default block and chunk; the
+# agreement check over MPI; the window at every size).
 OUTCOMES = {
     "default": {},
     "chunks-measured": {"MPISTRAT_SHM_CHUNK_BYTES": "auto"},
     "chunks-measured-off": {"MPISTRAT_SHM_CHUNK_BYTES": "0"},
-    "chunks-measured-on": {"MPISTRAT_SHM_CHUNK_BYTES": str(512 << 10)},
+    "chunks-measured-on": {"MPISTRAT_SHM_CHUNK_BYTES": str(config.node_chunk_bytes(2))},
     "small-l2": {"MPISTRAT_SHM_BLOCK_BYTES": "16K", "MPISTRAT_SHM_CHUNK_BYTES": "256K"},
     "large-l2": {"MPISTRAT_SHM_BLOCK_BYTES": "1M", "MPISTRAT_SHM_CHUNK_BYTES": "4M"},
     "agreement-over-mpi": {"MPISTRAT_AGREEMENT": "mpi"},

@@ -243,6 +243,29 @@ def test_appended_sweeps_join_the_earlier_ones_and_keep_each_rounds_facts():
     other = _run(_truth(), 2, 1, 2, sm.SIZES)
     with pytest.raises(ValueError, match="ranks=4.*measure without --append"):
         sm._appended(first, other)
+    third = dict(second, when_utc="10:10", sleep_s=90e-6)
+    again = sm._appended(merged, third)  # onto an entry that has rounds already
+    assert [r["when_utc"] for r in again["rounds"]] == ["10:00", "10:05", "10:10"] and again["when_utc"] == "10:00"
+    assert len(again["sweeps_s"]["mpi"][0]) == 3 and again["sleep_s"] == pytest.approx(80e-6)
+    big = sm.SIZES.index(2 * sm.FIT_MAX)  # the fault probe stops at 1 MiB: nothing measured stays None
+    assert again["sweeps_s"]["fault"][big] == [] and again["median_s"]["fault"][big] is None
+
+
+def test_append_is_checked_before_measuring_and_the_file_keeps_only_measurements(tmp_path):
+    path = str(tmp_path / "data.json")
+    facts = {"ranks": 4, "nodes": 1, "local": 4, "machine_ranks": 4, "cores": 2, "sizes": sm.SIZES,
+             "window": {"name": "shm"}, "mpi_library": "MPICH 5", "commit": "abc"}
+    assert sm._append_state(path, "4 ranks, 1 node", facts) == (None, 0)  # no file: a new entry
+    run = dict(_run(_truth(), 4, 1, 2, sm.SIZES), **facts)
+    run.update(median_s=run["time_s"], when_utc="10:00", seconds=1.0, load_average=[[1.0], [1.0]],
+               iterations=[[5] for _ in sm.SIZES])
+    sm._merge(path, "4 ranks, 1 node", run)
+    sm._merge(path, "2 ranks, 1 node", dict(run, ranks=2))
+    with open(path) as f:
+        assert all("time_s" not in entry for entry in json.load(f)["runs"].values())
+    assert sm._append_state(path, "4 ranks, 1 node", facts) == (None, 1)
+    problem, _ = sm._append_state(path, "4 ranks, 1 node", dict(facts, commit="def+dirty"))
+    assert problem.startswith("the data file's run has commit='abc', this one 'def+dirty'")
 
 
 def test_the_fit_refuses_an_oversubscribed_or_wrong_layout():

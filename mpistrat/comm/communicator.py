@@ -289,12 +289,14 @@ class RankCommunicator:
         node, host arrays up to 4 MiB) the plan's :class:`FoldedCheck` is the hook, and the call is the
         pool's result, the transport and the check, each called once (``_execute`` and ``run_steps`` for
         that case). The check still runs on every call, before any data is combined. Calls started
-        asynchronously before it finish first, as before any collective."""
+        asynchronously before it finish first, as before any collective; the worker's own calls keep off
+        the compiled lane, whose copies and sums hold the GIL the caller computes with meanwhile."""
+        worker = self._worker
+        if worker is not None:
+            worker.drain()  # returns at once in the worker itself
         plan = self._planner.singles.get((op, divisor, a.shape, a.dtype, type(a)))
         if plan is None or self.size == 1 or timeline.enabled():
             return None
-        if self._worker is not None:
-            self._worker.drain()
         folded = plan.folded
         if folded is None:
             return self._execute(plan, [a], False, plan.repeat_mode, self._timeout, self._pack)[0]
@@ -307,7 +309,7 @@ class RankCommunicator:
         try:
             dst = step.pool.get()[1][0]
             src = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-            lane = plan.lane
+            lane = plan.lane if worker is None or not worker.running_here() else None
             if lane is not None and lane(src, dst):
                 return dst
             if prepared is not None:
@@ -325,11 +327,11 @@ class RankCommunicator:
         such call of as many arrays (op spelled as then), matched by its signature in one C loop
         (``Planner.file_list``), else None: the caller then calls :meth:`allreduce`. The check runs as for
         any repeated call of the plan."""
+        if self._worker is not None:  # calls started asynchronously before this one run first
+            self._worker.drain()
         filed = self._planner.lists.get((op, divisor, len(arrays)))
         if filed is None or timeline.enabled():
             return None
-        if self._worker is not None:  # calls started asynchronously before this one run first
-            self._worker.drain()
         arrays = list(arrays)  # what is matched is what is reduced, whatever happens to the caller's list
         if not filed[0].matches(arrays):
             return None

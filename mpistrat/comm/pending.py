@@ -110,6 +110,10 @@ class OrderedWorker:
             return
         last._finished.wait()
 
+    def running_here(self) -> bool:
+        """Whether the calling thread is this worker's."""
+        return threading.get_ident() == self._ident
+
     def busy(self) -> bool:
         """Whether a submitted call has not finished yet."""
         last = self._last

@@ -488,8 +488,8 @@ class StrategyExtended:
 
     def _require_updatable(self, variables: Sequence[Any]) -> None:
         """Raise ValueError, before anything is updated, where a distributed value in ``variables`` has not one
-        copy per local replica of this strategy (made under another strategy's scope): updating its copies
-        on this strategy's devices would stop part way, the copies no longer equal."""
+        copy per local replica of this strategy (made under a strategy with another number of them):
+        updating its copies on this strategy's devices would stop part way, the copies no longer equal."""
         n = self._num_local
         for var in variables:
             if isinstance(var, DistributedValues) and len(var.values) != n:

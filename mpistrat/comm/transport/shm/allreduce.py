@@ -195,7 +195,7 @@ class ShmTransport(Transport):
         proposed = np.array([lay.local_size, 0 if self.topology.oversubscribed else node_chunk, node_chunk],
                             np.int64)
         lay.comm.Allreduce(MPI.IN_PLACE, proposed, op=MPI.MIN)
-        self.owners, self.default_chunk_bytes, self._node_chunk_bytes = (int(v) for v in proposed)
+        self.owners, self.default_chunk_bytes, self.auto_chunk_bytes = (int(v) for v in proposed)
         self.waiter = self.topology.waiter
         direct = one_sync_max_bytes(self.topology)
         pushes = lay.num_nodes == 1 and lay.local_size > 1  # owners push results into every segment
@@ -538,10 +538,10 @@ class ShmTransport(Transport):
                 self._set_chunk_bytes(self.default_chunk_bytes)
                 return self.chunk_bytes // dtype.itemsize
             key = (group_key(lay.comm), lay.num_nodes, lay.local_size, self.owners, self.sync_kind,
-                   self.max_bytes, self._node_chunk_bytes)
+                   self.max_bytes, self.auto_chunk_bytes)
             chunk_bytes, self.chunk_calibration = calibration.measure_chunks(
                 lay.comm, key, lambda src, dst, chunk: self.reduce_in_chunks(src, dst, "sum", chunk), count, dtype,
-                self._node_chunk_bytes)
+                self.auto_chunk_bytes, self.max_bytes)
             self._set_chunk_bytes(chunk_bytes)
         return self.chunk_bytes // dtype.itemsize
 

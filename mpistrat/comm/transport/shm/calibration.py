@@ -19,8 +19,9 @@ __all__ = [
     "time_alternating",
 ]
 
-CHUNK_MEASURE_MIN = 4 << 20  # the first array this long decides (four chunks or more)
-CHUNK_MEASURE_MAX = 16 << 20  # the longest array the chunk measurement reduces
+CHUNK_MEASURE_MIN = 4 << 20  # the first array this long decides
+CHUNK_MEASURE_MAX = 16 << 20  # the longest array the chunk measurement reduces, unless four chunks are longer
+CHUNKS_MEASURED = 4  # the least number of chunks the measurement's array is cut into
 CHUNK_REPS = 5
 CHUNK_MARGIN = 0.95  # chunks must take at most this fraction of one pass's time to be used
 
@@ -55,12 +56,13 @@ def time_alternating(
 
 def measure_chunks(
     comm: MPI.Comm, key: tuple, reduce_in_chunks: Callable[[np.ndarray, np.ndarray, int], None], count: int,
-    dtype: np.dtype, chunk_bytes: int,
+    dtype: np.dtype, chunk_bytes: int, max_bytes: int,
 ) -> tuple[int, list[tuple[int, int, float, float]]]:
     """``chunk_bytes`` (the same on every rank) if reducing ``count`` items of ``dtype`` (at most
-    ``CHUNK_MEASURE_MAX`` bytes of them) in such chunks beats one pass, else 0; and the measurement
-    ``(bytes, chunk_bytes, one pass s, chunked s)`` (collective over ``comm``; cached under ``key``,
-    empty then).
+    ``CHUNK_MEASURE_MAX`` bytes of them, at least ``CHUNKS_MEASURED`` chunks' worth, at most
+    ``max_bytes``, the longest array the transport takes) in such chunks beats one pass, else 0; and
+    the measurement ``(bytes, chunk_bytes, one pass s, chunked s)`` (collective over ``comm``; cached
+    under ``key``, empty then; nothing is timed where two chunks would not fit in ``max_bytes``).
 
     ``MPISTRAT_SHM_CHUNK_BYTES=auto`` leaves this choice to this function: at the first array of at
     least ``CHUNK_MEASURE_MIN`` bytes, chunks of ``chunk_bytes`` (the transport passes the node's
@@ -71,15 +73,19 @@ def measure_chunks(
 
     ``reduce_in_chunks(source, out, chunk_items)`` reduces ``source`` into ``out`` (0: one pass).
     Measured at the size that triggered it, so the window grows no further than that array
-    needs anyway. A way's time is the median over repetitions of the slowest rank (not a quantile
+    needs anyway, unless that is fewer than ``CHUNKS_MEASURED`` chunks. A way's time is the median over repetitions of the slowest rank (not a quantile
     below it: where synchronisation is sometimes slow, chunks pay for it many times over).
     """
     cached = CHUNK_DECISIONS.get(key)
     if comm.allreduce(cached is not None, op=MPI.LAND):
         return int(comm.bcast(cached, root=0)), []
+    n = min(max(min(count, CHUNK_MEASURE_MAX // dtype.itemsize), CHUNKS_MEASURED * chunk_bytes // dtype.itemsize),
+            max_bytes // dtype.itemsize)
+    if n < 2 * (chunk_bytes // dtype.itemsize):  # the same on every rank: no chunks to time
+        CHUNK_DECISIONS[key] = 0
+        return 0, []
     private = comm.Dup()  # the measurement's barriers and reductions never meet another call's
     try:
-        n = min(count, CHUNK_MEASURE_MAX // dtype.itemsize)
         source = np.ones(n, dtype)
         out = np.empty_like(source)
         ways = [
