@@ -706,8 +706,8 @@ def measure_all(args: argparse.Namespace) -> int:
             env = dict(base, MPISTRAT_PRETEND_NODES=str(pretend)) if pretend else base
             cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
             cmd += ["--append"] if round_ or args.append else []
-            print(f"# round {round_ + 1}/{args.rounds}: {'MPISTRAT_PRETEND_NODES=' + str(pretend) + ' ' if pretend else ''}"
-                  f"{' '.join(cmd)}", flush=True)
+            prefix = f"MPISTRAT_PRETEND_NODES={pretend} " if pretend else ""
+            print(f"# round {round_ + 1}/{args.rounds}: {prefix}{' '.join(cmd)}", flush=True)
             done = subprocess.run(cmd, env=env, timeout=1800, check=False)
             if done.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} exited with {done.returncode}")

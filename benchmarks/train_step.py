@@ -373,8 +373,8 @@ def worker(args: argparse.Namespace) -> int:
             print(f"{name:10} {r['step_s'] * 1e3:8.1f} {r['examples_per_s']:11.0f} {r['reducing_fraction']:9.1%} "
                   f"{r['updating_fraction']:9.1%} "
                   f"{r['ratio']:6.3f} {r['pair']:6.3f}")
-        print("# final weights: " + ("; ".join(f"WEIGHT CHECK FAILED: {p}" for p in problems) or
-                                     "equal on every rank in every training mode") + "; distance from raw's / distance trained: "
+        verdict = "; ".join(f"WEIGHT CHECK FAILED: {p}" for p in problems) or "equal on every rank in every training mode"
+        print(f"# final weights: {verdict}; distance from raw's / distance trained: "
               + ", ".join(f"{name} {d:.1e}" for name, d in differences.items()))
         if args.out:
             with open(args.out, "w") as f:

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 __all__ = [
     "CHUNK_MEASURE_MIN",
+    "CHUNKS_MEASURED",
     "CHUNK_DECISIONS",
     "measure_chunks",
     "time_alternating",
@@ -73,15 +74,17 @@ def measure_chunks(
 
     ``reduce_in_chunks(source, out, chunk_items)`` reduces ``source`` into ``out`` (0: one pass).
     Measured at the size that triggered it, so the window grows no further than that array
-    needs anyway, unless that is fewer than ``CHUNKS_MEASURED`` chunks. A way's time is the median over repetitions of the slowest rank (not a quantile
-    below it: where synchronisation is sometimes slow, chunks pay for it many times over).
+    needs anyway, unless that is fewer than ``CHUNKS_MEASURED`` chunks. A way's time is the median
+    over repetitions of the slowest rank (not a quantile below it: where synchronisation is sometimes
+    slow, chunks pay for it many times over).
     """
     cached = CHUNK_DECISIONS.get(key)
     if comm.allreduce(cached is not None, op=MPI.LAND):
         return int(comm.bcast(cached, root=0)), []
-    n = min(max(min(count, CHUNK_MEASURE_MAX // dtype.itemsize), CHUNKS_MEASURED * chunk_bytes // dtype.itemsize),
-            max_bytes // dtype.itemsize)
-    if n < 2 * (chunk_bytes // dtype.itemsize):  # the same on every rank: no chunks to time
+    itemsize = dtype.itemsize
+    n = min(max(min(count, CHUNK_MEASURE_MAX // itemsize), CHUNKS_MEASURED * chunk_bytes // itemsize),
+            max_bytes // itemsize)
+    if n < 2 * (chunk_bytes // itemsize):  # the same on every rank: no chunks to time
         CHUNK_DECISIONS[key] = 0
         return 0, []
     private = comm.Dup()  # the measurement's barriers and reductions never meet another call's
