@@ -650,10 +650,11 @@ def project(model: Model, net: Network, sizes: Sequence[int], ranks: Sequence[in
             say(f"| {r} | " + " | ".join(cells) + " |")
 
 
-def within_counts(path: str, statistic: str) -> list[tuple[int, int]]:
-    """Per variant: how many held-out predictions fall within ``TARGET``, of how many, under ``statistic``."""
-    data = load_data(path, statistic)
-    found = held_out(checks(data, [fit(data["runs"][FIT_LAYOUT], constant) for _, constant in VARIANTS]))
+def within_counts(data: dict[str, Any], statistic: str) -> list[tuple[int, int]]:
+    """Per variant: how many held-out predictions of ``data`` (as :func:`load_data` gives it) fall within
+    ``TARGET``, of how many, under ``statistic``."""
+    runs = {key: dict(run, time_s=sweep_statistic(run["sweeps_s"], statistic)) for key, run in data["runs"].items()}
+    found = held_out(checks({"runs": runs}, [fit(runs[FIT_LAYOUT], constant) for _, constant in VARIANTS]))
     return [(sum(abs(c.errors()[v]) <= TARGET for c in found), len(found)) for v in range(len(VARIANTS))]
 
 
@@ -685,7 +686,7 @@ def predict(args: argparse.Namespace) -> int:
     print_checks(checks(data, models), args.statistic, say)
     say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "
         + "; ".join(f"{statistic}: " + ", ".join(f"{name} {k}/{total}" for (name, _), (k, total)
-                                                 in zip(VARIANTS, within_counts(args.data, statistic)))
+                                                 in zip(VARIANTS, within_counts(data, statistic)))
                     for statistic in STATISTICS))
     net = Network(args.net_latency_us * 1e-6, args.net_gbps * 1e9 / 8)
     models[1].scratch_faults = not args.malloc_knobs

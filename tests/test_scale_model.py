@@ -221,8 +221,8 @@ def test_predictions_are_judged_on_the_statistic_of_the_sweeps_asked_for(tmp_pat
         [s[0] for s in run["sweeps_s"]["mpi"]]
     held = [c for c in sm.held_out(sm.checks(sm.load_data(str(path)), [_truth()])) if c.layout == "4 ranks, 1 node"]
     assert held and max(abs(c.errors()[0]) for c in held) < 1e-6
-    (ab_min, total), (cache_min, _) = sm.within_counts(str(path), "min")
-    (ab_median, _), (cache_median, _) = sm.within_counts(str(path), "median")
+    (ab_min, total), (cache_min, _) = sm.within_counts(sm.load_data(str(path)), "min")
+    (ab_median, _), (cache_median, _) = sm.within_counts(sm.load_data(str(path)), "median")
     assert cache_min == total and cache_median == total - 2 * 11  # the layout's 11 sizes of both paths
     assert sm.main(["--predict", "--data", str(path), "--project-sizes", "1M", "--project-ranks", "2"]) == 0
     out = capsys.readouterr().out
