@@ -1,8 +1,10 @@
-"""A repeated ``all_reduce`` of one array the shared-memory window reduce-scatters: the compiled reduce-scatter
-(``_lane.scatter``) keeps every result, check and error of the Python path (2 and 4 ranks)."""
+"""A repeated ``all_reduce`` the shared-memory window reduce-scatters: the compiled reduce-scatter (``_lane.scatter``,
+with the check's round for one array, without it for a step after the check) keeps every result, check and error of
+the Python path (2 and 4 ranks)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -11,7 +13,11 @@ import pytest
 import mpistrat as ms
 from mpistrat.comm import CollectiveMismatchError
 from mpistrat.comm.agreement import lane
-from mpistrat.comm.agreement.lane import CompiledScatter
+from mpistrat.comm.agreement.call import OVERLAP_MAX_BYTES
+from mpistrat.comm.agreement.lane import CompiledScatter, StepScatter
+from mpistrat.comm.communicator import RankCommunicator
+from mpistrat.comm.plan import UNFUSED_MIN_BYTES
+from mpistrat.comm.transport.base import NO_AGREEMENT
 from mpistrat.comm.transport.shm.allreduce import ShmTransport
 
 from helpers import run_all_reduce
@@ -41,10 +47,11 @@ def strategy(comm, monkeypatch, lane_mode):
 
 
 @pytest.fixture
-def returned(monkeypatch):
-    """What every ``_lane.scatter`` call of this rank returned, in order."""
+def recorded(monkeypatch):
+    """What every ``_lane.scatter`` call of this rank returned, in order: those that posted the check's round
+    (``"round"``: ``CompiledScatter``) and those of a step whose check was done (``"step"``: ``StepScatter``)."""
     kernel = lane._lane
-    seen: list = []
+    seen: dict[str, list] = {"round": [], "step": []}
 
     class Recording:
         def __getattr__(self, name):
@@ -52,11 +59,17 @@ def returned(monkeypatch):
 
         def scatter(self, *args):
             out = kernel.scatter(*args)
-            seen.append(out)
+            seen["round" if args[0] else "step"].append(out)
             return out
 
     monkeypatch.setattr(lane, "_lane", Recording())
     return seen
+
+
+@pytest.fixture
+def returned(recorded):
+    """What every ``_lane.scatter`` call of this rank that posted the check's round returned, in order."""
+    return recorded["round"]
 
 
 def _inputs(rng: np.random.Generator, count: int, dtype: type) -> np.ndarray:
@@ -248,3 +261,146 @@ def test_the_kernel_stages_its_data_before_it_posts_the_check(comm, monkeypatch)
         assert np.all(out == comm.size * (comm.size + 1) / 2 + 10 * k * comm.size)
     if comm.rank == last:
         assert len(seen) == 3 and all(np.all(s == 1.0 + 10 * k) for k, s in enumerate(seen)), seen
+
+
+# A list whose arrays are each reduced alone (from UNFUSED_MIN_BYTES), in chunks: a short last chunk (the
+# check's step), a long last chunk, whole chunks.
+LIST_SIZES = [SIZES[1], (1 << 20) + (300 << 10), 1 << 20]
+
+
+def _list_plan(strategy, op: str, count: int):
+    plan = strategy.extended._communicator._planner.lists[(op, None, count)][1]
+    assert [len(s.members) for s in plan.steps] == [1] * count, "every array a step of its own"
+    assert all(isinstance(s.transport, ShmTransport) for s in plan.steps)
+    return plan
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (np.float64, "sum"), (np.int32, "max"), (np.int64, "sum")])
+def test_a_repeated_lists_arrays_after_the_check_take_the_kernel_without_a_round_to_numpys_bits(strategy, comm,
+                                                                                              lane_mode, recorded,
+                                                                                              dtype, op):
+    # The list's check runs at its first array (the Python path); the kernel reduces the later arrays without
+    # a round of its own. Every result a new array, none written again by a later call, the inputs untouched.
+    rng = np.random.default_rng(comm.rank)
+    itemsize = np.dtype(dtype).itemsize
+    kept = []
+    for k in range(4):
+        xs = [_inputs(rng, n // itemsize, dtype) for n in LIST_SIZES]
+        before = [x.copy() for x in xs]
+        outs = run_all_reduce(strategy, op, xs)
+        for x, b, out in zip(xs, before, outs):
+            expected = _expected(comm, x, op)
+            assert out.tobytes() == expected.tobytes(), (lane_mode, x.nbytes, k)
+            assert x.tobytes() == b.tobytes()
+            kept.append((out, expected))
+    for out, expected in kept:
+        assert out.tobytes() == expected.tobytes()
+    plan = _list_plan(strategy, op, len(LIST_SIZES))
+    assert all(isinstance(s.lane, StepScatter) == (lane_mode == "compiled") for s in plan.steps)
+    assert recorded["round"] == []  # a list's check is never the kernel's
+    if lane_mode == "compiled":  # the later arrays of the repeats at least (a peer late: an epoch's code)
+        assert len(recorded["step"]) >= 2 * 3, recorded["step"]
+        assert all(r is True or type(r) is int for r in recorded["step"])
+    else:
+        assert recorded["step"] == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_repeated_array_above_the_folded_checks_limit_takes_the_kernel_after_its_own_check(strategy, comm,
+                                                                                           lane_mode, recorded):
+    # Above OVERLAP_MAX_BYTES the check is a round of its own before the transport: the kernel then reduces
+    # the array without one.
+    x = np.arange((OVERLAP_MAX_BYTES + 4160) // 4, dtype=np.float32) * (comm.rank + 1)
+    factor = comm.size * (comm.size + 1) // 2
+    for _ in range(3):
+        out = run_all_reduce(strategy, "sum", x)
+        assert np.array_equal(out, x / (comm.rank + 1) * factor)
+    plan = strategy.extended._communicator._planner.singles[("sum", None, x.shape, x.dtype, np.ndarray)]
+    assert plan.lane is None and isinstance(plan.steps[0].lane, StepScatter) == (lane_mode == "compiled")
+    if lane_mode == "compiled":
+        assert len(recorded["step"]) >= 2, recorded
+        assert all(r is True or type(r) is int for r in recorded["step"])
+    else:
+        assert recorded["step"] == []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("late_at", ["start", "chunk"])
+def test_peers_late_at_a_steps_synchronisation_hand_the_rest_of_the_step_to_the_python_path(comm, monkeypatch,
+                                                                                           recorded, late_at):
+    # The last rank takes the Python path and is late (5 ms) before staging the first chunk of the list's later
+    # arrays (the kernel returns 0: its first synchronisation) or a later chunk (2 * chunk). The kernel's ranks go
+    # on in Python from where it stopped, to the same bits.
+    late = comm.rank == comm.size - 1
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "0" if late else "1")
+    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
+    strategy = ms.MultiWorkerMirroredStrategy()
+    rng = np.random.default_rng(comm.rank)
+    xs = [_inputs(rng, n // 4, np.float32) for n in LIST_SIZES]
+    for _ in range(2):
+        run_all_reduce(strategy, "sum", xs)  # planned: the next calls repeat it
+    if late:
+        stage = ShmTransport._allreduce_contiguous
+
+        def staging_late(self, source, out, op, hook, shared=None, offset=0):
+            # After the check (the first array's first chunk carries it); "chunk" delays the first array's later
+            # chunks too, which the kernel's ranks reduce in Python anyway.
+            if hook is NO_AGREEMENT and (offset == 0 if late_at == "start" else offset > 0):
+                time.sleep(0.005)
+            return stage(self, source, out, op, hook, shared, offset)
+
+        monkeypatch.setattr(ShmTransport, "_allreduce_contiguous", staging_late)
+    recorded["step"].clear()
+    for k in range(6):
+        xs = [_inputs(rng, x.size, np.float32) for x in xs]
+        comm.Barrier()
+        outs = run_all_reduce(strategy, "sum", xs)
+        for x, out in zip(xs, outs):
+            assert out.tobytes() == _expected(comm, x, "sum").tobytes(), k
+    if not late:
+        codes = recorded["step"]
+        assert len(codes) == 2 * 6, codes
+        if late_at == "start":
+            assert 0 in codes, codes
+        else:
+            assert any(type(r) is int and r >= 2 and r % 2 == 0 for r in codes), codes
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_workers_calls_keep_off_the_step_kernel(comm):
+    # An asynchronous list all-reduce runs on the communicator's worker thread, where the kernel, which holds the
+    # GIL while it copies and sums, would stall the caller's computation: only the caller's calls take it.
+    communicator = RankCommunicator()
+    try:
+        shm = [t for t in communicator.transports if isinstance(t, ShmTransport)]
+        if not shm:
+            pytest.skip("no shared-memory window transport in this communicator's table")
+        count = (max(UNFUSED_MIN_BYTES, shm[0].direct_max_bytes) + 4160) // 4  # each array a step of its own
+        grads = [np.full(count, comm.rank + 1.0, np.float32), np.arange(count, dtype=np.float32) * (comm.rank + 1)]
+        factor = comm.size * (comm.size + 1) // 2
+        expected = [np.full(count, float(factor), np.float32), np.arange(count, dtype=np.float32) * factor]
+        for _ in range(2):
+            communicator.allreduce(grads, "sum")  # planned, result blocks made: the next calls repeat it
+        plan = communicator._planner.lists[("sum", None, 2)][1]
+        callers = []
+        for step in plan.steps:
+            assert isinstance(step.lane, StepScatter)
+            kernel = step.lane
+
+            def recording(src, dst, kernel=kernel):
+                callers.append(threading.get_ident())
+                return kernel(src, dst)
+
+            step.lane = recording
+        for _ in range(3):
+            from_worker = communicator.allreduce_async(grads, "sum").result()
+            from_caller = communicator.allreduce(grads, "sum")
+            for got in (from_worker, from_caller):
+                assert all(np.array_equal(g, e) for g, e in zip(got, expected))
+        assert callers and set(callers) == {threading.get_ident()}, "the caller's calls only"
+    finally:
+        communicator.close()

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpistrat import config, ops, timeline
 from mpistrat.comm.agreement.call import CHECKED, FOLD, CallAgreement, FoldedCheck, check_aux, choose_mode, require_same_pack
 from mpistrat.comm.agreement.guard import AgreementGuard
-from mpistrat.comm.agreement.lane import compiled_lane
+from mpistrat.comm.agreement.lane import compiled_lane, compiled_step
 from mpistrat.comm.agreement.signatures import CallKey, fingerprint
 from mpistrat.comm.deterministic import replicas_error, reproducible_sum
 from mpistrat.comm.errors import CollectiveError, allgather_checked
@@ -430,6 +430,10 @@ class RankCommunicator:
                 require_same_pack(aux)
             plan = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)
             plan.key, plan.h = key, h
+            for step in plan.steps if not inplace else ():
+                if step.direct and step.kind == HOST:
+                    step.lane = compiled_step(self.settings.compiled_lane, self._guard, step.transport,
+                                              step.bucket.nbytes, step.bucket.dtype, plan.op)
             first = plan.steps[0] if plan.steps else None
             if first is not None:
                 plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
@@ -462,8 +466,10 @@ class RankCommunicator:
         (agreement/call.py)."""
         agreement = self._agreement
         hook = agreement.begin(plan.key, plan.h, timeout, pack_bytes, mode)
+        worker = self._worker  # its own calls keep off the compiled kernels (allreduce_repeat)
+        compiled = worker is None or not worker.running_here()
         try:
-            results = run_steps(plan.steps, arrays, plan.op, inplace, hook, self._scratch)
+            results = run_steps(plan.steps, arrays, plan.op, inplace, hook, self._scratch, compiled)
         except BaseException as exc:
             agreement.fail(exc)
             raise

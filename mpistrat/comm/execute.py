@@ -15,11 +15,12 @@ __all__ = ["run_steps"]
 
 
 def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: AgreementHook,
-              scratch: GrowableBuffers) -> list:
+              scratch: GrowableBuffers, compiled: bool = False) -> list:
     """Reduce ``arrays`` step by step over two or more ranks; the results (``arrays`` when ``inplace``).
 
     The first step's transport gets the call's agreement ``hook``; later steps get
-    :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then).
+    :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then), and with ``compiled``
+    a step's compiled reduce-scatter (``Step.lane``) where it has one and can take the call.
     Results are new arrays from each step's pool (never overwritten by a later
     call), or, in place, the input arrays themselves: a packed bucket is then reduced into
     ``scratch`` (host) or a new device array and copied into them, never via memory a transport
@@ -43,6 +44,8 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
             else:
                 src = a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
                 dst = results[b.members[0]] = step.pool.get()[1][0]
+                if compiled and hook is NO_AGREEMENT and step.lane is not None and step.lane(src, dst):
+                    continue
             transport.allreduce_array(src, dst, op, hook)
             hook = NO_AGREEMENT
             if write_back is not None:

@@ -29,7 +29,8 @@ UNFUSED_MIN_BYTES = 1 << 20
 class Step:
     """One bucket of an all-reduce plan and the transport that reduces it."""
 
-    __slots__ = ("bucket", "kind", "transport", "xp", "direct", "whole", "pool", "members", "_src", "_src_views")
+    __slots__ = ("bucket", "kind", "transport", "xp", "direct", "whole", "pool", "members", "lane", "_src",
+                 "_src_views")
 
     def __init__(self, bucket: Bucket, kind: int, transport: Transport, xp: Any) -> None:
         self.bucket = bucket
@@ -42,6 +43,8 @@ class Step:
         # Host results may go straight into blocks the transport shares (shm/results.py).
         shared = transport.result_blocks if kind == HOST else None
         self.pool = ResultPool(bucket, xp, shared=shared) if kind != CAI else None
+        # A direct host step's compiled reduce-scatter for calls whose check is done (agreement/lane.py).
+        self.lane: Any = None
         self._src: Any = None
         self._src_views: list = []
 

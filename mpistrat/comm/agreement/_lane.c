@@ -254,7 +254,8 @@ done:
  *
  * scatter(table, mine, round, lines, h, aux, deadline, spins, src, dst, kind, segs, itemsize, chunk, direct,
  *         me, controls, blocks, slot, counters, words, epoch)
- *   table ... spins: the check's round, as for run
+ *   table ... spins: the check's round, as for run; table 0: none (a later step of a call whose check ran
+ *             at its first): the first chunk's first synchronisation is an epoch, as every later chunk's
  *   src, dst: C-contiguous buffers of the call's bytes, not overlapping and aligned to their items
  *             (NotImplemented, nothing done, if not); dst private memory or this rank's result block ``slot``
  *   segs:     bytes, uint64 address of every node rank's window segment (this bucket), local-rank order
@@ -275,7 +276,8 @@ done:
  * one epoch, every rank's segment summed (the caller then flips the window's bucket).
  * Returns True (done), None (the round posted, a peer late: nothing summed), False (the verdict is not the
  * common one: nothing summed), NotImplemented (nothing done) or 2 * c + p: chunk c's first (p 0) or
- * second (p 1) synchronisation posted and a peer late at it (the caller waits and goes on from there).
+ * second (p 1) synchronisation posted and a peer late at it (the caller waits and goes on from there;
+ * without a round, 0 is the first chunk's first).
  */
 #define SCATTER_BLOCK (64 << 10) /* bytes summed, then pushed while in cache */
 #define SLOTS 2                    /* result blocks per rank (results.py) */
@@ -387,9 +389,9 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
             Py_ssize_t hi = slice_start(clen / itemsize, itemsize, n, me + 1);
             memcpy(seg, in + off, (size_t)lo); /* the slices the peers sum; this rank's own is read from src */
             memcpy(seg + hi, in + off + hi, (size_t)(clen - hi));
-            if (c == 0) {
-                if (ncontrols)
-                    *(volatile int64_t *)(uintptr_t)controls[me] = slot; /* published before the round */
+            if (c == 0 && ncontrols)
+                *(volatile int64_t *)(uintptr_t)controls[me] = slot; /* published before the first synchronisation */
+            if (c == 0 && check.table != NULL) {
                 int common = 0;
                 if (!post_round(&check, &common)) {
                     result = Py_None;
@@ -401,14 +403,16 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
                     Py_INCREF(result);
                     goto done;
                 }
+            } else if (!post_epoch(counters, words, n, me, ++epoch, spins)) {
+                result = PyLong_FromSsize_t(2 * c);
+                goto done;
+            }
+            if (c == 0) {
                 for (Py_ssize_t r = 0; r < n; r++) {
                     int64_t k = ncontrols ? *(volatile int64_t *)(uintptr_t)controls[r] : -1;
                     shifts[r] = 0 <= k && k < SLOTS;
                     targets[r] = (char *)(uintptr_t)(shifts[r] ? blocks[r * SLOTS + k] : segs[r]);
                 }
-            } else if (!post_epoch(counters, words, n, me, ++epoch, spins)) {
-                result = PyLong_FromSsize_t(2 * c);
-                goto done;
             }
             for (Py_ssize_t at = lo; at < hi; at += SCATTER_BLOCK) {
                 Py_ssize_t size = hi - at < SCATTER_BLOCK ? hi - at : SCATTER_BLOCK;

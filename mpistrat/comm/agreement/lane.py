@@ -35,7 +35,7 @@ try:
 except ImportError:  # built without a C compiler: the Python path
     _lane = None
 
-__all__ = ["CompiledLane", "CompiledScatter", "FoldedLane", "compiled_lane"]
+__all__ = ["CompiledLane", "CompiledScatter", "FoldedLane", "StepScatter", "compiled_lane", "compiled_step"]
 
 # (wire op, dtype) -> the kernel's kind: the ops whose every element the C loop computes bit for bit as
 # NumPy's ufunc does (float MIN and MAX are left to NumPy: its NaN and signed-zero rules).
@@ -64,6 +64,19 @@ def compiled_lane(enabled: bool, check: FoldedCheck, guard: AgreementGuard | Non
         return CompiledLane(check, guard, guard.gather, transport, prepared, kind)
     if isinstance(transport, ShmTransport) and nbytes > transport.direct_max_bytes >= 0:  # it reduce-scatters
         return CompiledScatter(check, guard, guard.gather, transport, kind, op)
+    return None
+
+
+def compiled_step(enabled: bool, guard: AgreementGuard | None, transport: Transport, nbytes: int, dtype: np.dtype,
+                  op: str) -> "StepScatter | None":
+    """The compiled reduce-scatter of one plan step, a single host array, for calls whose check is done by
+    the time the step runs (:class:`StepScatter`), or None where it does not apply: as :func:`compiled_lane`
+    for ``shm``."""
+    kind = _KINDS.get((op, np.dtype(dtype)))
+    if not enabled or kind is None or nbytes == 0 or guard is None or _lane is None:
+        return None
+    if isinstance(transport, ShmTransport) and nbytes > transport.direct_max_bytes >= 0:
+        return StepScatter(transport, kind, op, guard._spins)
     return None
 
 
@@ -254,3 +267,47 @@ class CompiledScatter(FoldedLane):
         shared = ready[0].shared
         if shared is not None:
             shared.retire()  # a late owner may still write into it: never hand it out again
+
+
+class StepScatter:
+    """``shm``'s reduce-scatter of one array in one ``_lane.scatter`` without the check's round: a step of an
+    all-reduce whose check was done before it (a list's later arrays; the check at its first step). Its first
+    synchronisation is an epoch, as the Python path's (``allreduce_array`` without a hook); a peer later than
+    the kernel's spin and yields hands the rest to that path, which waits with its timeouts."""
+
+    __slots__ = ("_transport", "_kind", "_op", "_spins")
+
+    def __init__(self, transport: ShmTransport, kind: int, op: str, spins: int) -> None:
+        self._transport, self._kind, self._op, self._spins = transport, kind, op, spins
+
+    def __call__(self, src: np.ndarray, dst: np.ndarray) -> bool:
+        """Reduce ``src`` (C-contiguous) into ``dst`` (a new array, the same shape and dtype); False, having
+        done nothing, where the kernel cannot take the call (the caller then calls ``allreduce_array``)."""
+        transport = self._transport
+        layout = transport.scatter_layout(dst.size, dst.dtype)
+        if layout is None:
+            return False
+        shared = layout.shared
+        slot = -1 if shared is None else shared.announce(dst)
+        sync = layout.sync
+        try:
+            out = _lane.scatter(0, 0, 0, layout.words, 0, 0, 0, self._spins, src, dst, self._kind,
+                                layout.segments[transport._bucket], layout.itemsize, layout.chunk, layout.direct,
+                                layout.me, layout.controls, layout.blocks, slot, layout.counters, layout.words,
+                                sync.epoch)
+            if out is NotImplemented:
+                return False
+            if out is True:
+                sync.advance(layout.epochs + 1)  # the kernel's epochs, the first chunk's first among them
+                if layout.tail_one_sync:
+                    transport._bucket ^= 1  # as _sum_all flips it
+                return True
+            chunk, pushed = divmod(out, 2)  # the kernel posted chunk's first (second) synchronisation; a peer late
+            sync.advance(2 * chunk + pushed + 1)
+            sync.wait_posted()
+            transport.finish_scatter(layout, src, dst, self._op, chunk, bool(pushed))
+        except BaseException:
+            if shared is not None:
+                shared.retire()  # a late owner may still write into it: never hand it out again
+            raise
+        return True
