@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mpistrat.distribute import context, in_place
-from mpistrat import arrays
+from mpistrat import aligned, arrays
 from mpistrat import devices as dev
 from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, ValueOperators
 
@@ -188,6 +188,21 @@ def _frozen(array: Any) -> Any:
     return array
 
 
+def _stored(array: Any) -> Any:
+    """The array a variable holds: a NumPy array on a cache line, as TF places tensors (a copy where it is not:
+    ``mpistrat.aligned``), read-only; a CuPy array as it is (its memory pool aligns to 256 bytes)."""
+    if type(array) is np.ndarray and not (array.flags.c_contiguous and aligned.is_aligned(array)):
+        array = aligned.copy(array)
+    return _frozen(array)
+
+
+def _aligned_cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``np.array(array, dtype=dtype, copy=True, order="C")`` on a cache line (``mpistrat.aligned``)."""
+    out = aligned.empty(array.shape, dtype)
+    np.copyto(out, array, casting="unsafe")  # np.array's dtype= converts whatever the kinds
+    return out
+
+
 def _initial_array(initial_value: Any, dtype: Any, device: str) -> Any:
     if initial_value is None:
         raise ValueError("initial_value must be specified.")
@@ -321,7 +336,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         device = _device or strategy.extended._local_devices[0]
         self._device = dev.canonicalize(device)
         self._on_gpu = dev.is_gpu(self._device)
-        self._array = _frozen(_array if _array is not None else _initial_array(initial_value, dtype, self._device))
+        self._array = _stored(_array if _array is not None else _initial_array(initial_value, dtype, self._device))
         self._update_lock = threading.RLock()  # re-entrant: a warning or signal handler may read it mid-update
         self._writing = False  # an update is writing into the array itself (in_place.run)
         self._name = name if name is not None else f"Variable_{next(_names)}"
@@ -386,8 +401,8 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         new = value if not on_gpu and type(value) is np.ndarray else dev.to_device(value, self._device)
         with (dev.device_scope(self._device) if on_gpu else _NO_SCOPE), self._update_lock:
             xp = dev.array_module(self._device) if on_gpu else np
-            if method == "assign":
-                new = xp.array(new, dtype=self.dtype, copy=True, order="C")  # TF has no strides
+            if method == "assign":  # TF has no strides; on the host, one copy straight onto a cache line
+                new = xp.array(new, dtype=self.dtype, copy=True, order="C") if on_gpu else _aligned_cast(new, self.dtype)
                 if new.shape != self._array.shape:
                     raise ValueError(f"Cannot assign a value of shape {new.shape} to variable {self._name} "
                                      f"of shape {self._array.shape}")
@@ -400,7 +415,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
             if new.shape != self._array.shape:
                 raise ValueError(f"Update of variable {self._name} would change its shape from "
                                  f"{self._array.shape} to {new.shape}")
-            self._array = _frozen(new)
+            self._array = _stored(new)
         return self
 
     def _update_in_place(self, method: str, delta: Any) -> bool:
