@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-__all__ = ["ALIGNMENT", "copy", "empty", "is_aligned"]
+__all__ = ["ALIGNMENT", "copy", "empty", "ensure", "is_aligned"]
 
 ALIGNMENT = 64  # bytes: TF's Allocator::kAllocatorAlignment (framework/allocator.h); one x86-64 cache line
 _PLAIN_KINDS = frozenset("biufc")  # dtypes a byte buffer can be viewed as (no objects, no structures)
@@ -39,3 +39,11 @@ def copy(array: np.ndarray) -> np.ndarray:
     out = empty(array.shape, array.dtype)
     np.copyto(out, array)
     return out
+
+
+def ensure(array: np.ndarray) -> np.ndarray:
+    """``array`` itself where it is C-contiguous on a boundary (or of a dtype :func:`empty` cannot place), else
+    :func:`copy`."""
+    if array.dtype.kind not in _PLAIN_KINDS or (array.flags.c_contiguous and is_aligned(array)):
+        return array
+    return copy(array)

@@ -264,8 +264,9 @@ def test_the_kernel_stages_its_data_before_it_posts_the_check(comm, monkeypatch)
 
 
 # A list whose arrays are each reduced alone (from UNFUSED_MIN_BYTES), in chunks: a short last chunk (the
-# check's step), a long last chunk, whole chunks.
-LIST_SIZES = [SIZES[1], (1 << 20) + (300 << 10), 1 << 20]
+# check's step), a long last chunk, a short last chunk again (the window's bucket flipped after it), whole chunks.
+LIST_SIZES = [SIZES[1], (1 << 20) + (300 << 10), SIZES[1], 1 << 20]
+LATER = len(LIST_SIZES) - 1  # the arrays after the check's
 
 
 def _list_plan(strategy, op: str, count: int):
@@ -300,7 +301,7 @@ def test_a_repeated_lists_arrays_after_the_check_take_the_kernel_without_a_round
     assert all(isinstance(s.lane, StepScatter) == (lane_mode == "compiled") for s in plan.steps)
     assert recorded["round"] == []  # a list's check is never the kernel's
     if lane_mode == "compiled":  # the later arrays of the repeats at least (a peer late: an epoch's code)
-        assert len(recorded["step"]) >= 2 * 3, recorded["step"]
+        assert len(recorded["step"]) >= LATER * 3, recorded["step"]
         assert all(r is True or type(r) is int for r in recorded["step"])
     else:
         assert recorded["step"] == []
@@ -311,11 +312,14 @@ def test_a_repeated_array_above_the_folded_checks_limit_takes_the_kernel_after_i
                                                                                            lane_mode, recorded):
     # Above OVERLAP_MAX_BYTES the check is a round of its own before the transport: the kernel then reduces
     # the array without one.
-    x = np.arange((OVERLAP_MAX_BYTES + 4160) // 4, dtype=np.float32) * (comm.rank + 1)
+    # A new input every call: a rank reading a peer's other bucket (its short last chunk flips it) would sum
+    # the call before's data.
+    base = np.arange((OVERLAP_MAX_BYTES + 4160) // 4, dtype=np.float32)
     factor = comm.size * (comm.size + 1) // 2
-    for _ in range(3):
+    for k in range(4):
+        x = base * (comm.rank + 1) + k
         out = run_all_reduce(strategy, "sum", x)
-        assert np.array_equal(out, x / (comm.rank + 1) * factor)
+        assert np.array_equal(out, base * factor + k * comm.size), k
     plan = strategy.extended._communicator._planner.singles[("sum", None, x.shape, x.dtype, np.ndarray)]
     assert plan.lane is None and isinstance(plan.steps[0].lane, StepScatter) == (lane_mode == "compiled")
     if lane_mode == "compiled":
@@ -327,12 +331,13 @@ def test_a_repeated_array_above_the_folded_checks_limit_takes_the_kernel_after_i
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("late_at", ["start", "chunk"])
+@pytest.mark.parametrize("late_at", ["start", "chunk", "tail"])
 def test_peers_late_at_a_steps_synchronisation_hand_the_rest_of_the_step_to_the_python_path(comm, monkeypatch,
                                                                                            recorded, late_at):
     # The last rank takes the Python path and is late (5 ms) before staging the first chunk of the list's later
-    # arrays (the kernel returns 0: its first synchronisation) or a later chunk (2 * chunk). The kernel's ranks go
-    # on in Python from where it stopped, to the same bits.
+    # arrays (the kernel returns 0: its first synchronisation), a later chunk (2 * chunk), or only a short last
+    # chunk (4: the third chunk's one synchronisation). The kernel's ranks go on in Python from where it
+    # stopped, to the same bits.
     late = comm.rank == comm.size - 1
     monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "0" if late else "1")
     for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
@@ -349,7 +354,8 @@ def test_peers_late_at_a_steps_synchronisation_hand_the_rest_of_the_step_to_the_
         def staging_late(self, source, out, op, hook, shared=None, offset=0):
             # After the check (the first array's first chunk carries it); "chunk" delays the first array's later
             # chunks too, which the kernel's ranks reduce in Python anyway.
-            if hook is NO_AGREEMENT and (offset == 0 if late_at == "start" else offset > 0):
+            at = {"start": offset == 0, "chunk": offset > 0, "tail": offset > 0 and out.nbytes <= self.direct_max_bytes}
+            if hook is NO_AGREEMENT and at[late_at]:
                 time.sleep(0.005)
             return stage(self, source, out, op, hook, shared, offset)
 
@@ -363,17 +369,23 @@ def test_peers_late_at_a_steps_synchronisation_hand_the_rest_of_the_step_to_the_
             assert out.tobytes() == _expected(comm, x, "sum").tobytes(), k
     if not late:
         codes = recorded["step"]
-        assert len(codes) == 2 * 6, codes
+        assert len(codes) == LATER * 6, codes
         if late_at == "start":
             assert 0 in codes, codes
-        else:
+        elif late_at == "chunk":
             assert any(type(r) is int and r >= 2 and r % 2 == 0 for r in codes), codes
+        else:
+            assert 4 in codes, codes
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_workers_calls_keep_off_the_step_kernel(comm):
+def test_the_workers_calls_keep_off_the_step_kernel(comm, monkeypatch):
     # An asynchronous list all-reduce runs on the communicator's worker thread, where the kernel, which holds the
     # GIL while it copies and sums, would stall the caller's computation: only the caller's calls take it.
+    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1")
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
     communicator = RankCommunicator()
     try:
         shm = [t for t in communicator.transports if isinstance(t, ShmTransport)]
@@ -398,6 +410,7 @@ def test_the_workers_calls_keep_off_the_step_kernel(comm):
             step.lane = recording
         for _ in range(3):
             from_worker = communicator.allreduce_async(grads, "sum").result()
+            assert communicator._worker is not None, "the asynchronous call ran on the communicator's worker"
             from_caller = communicator.allreduce(grads, "sum")
             for got in (from_worker, from_caller):
                 assert all(np.array_equal(g, e) for g, e in zip(got, expected))

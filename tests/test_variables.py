@@ -228,6 +228,22 @@ def test_updates_never_change_a_value_someone_holds():
     assert not v.value().flags.writeable
 
 
+@pytest.mark.parametrize("take", ["getitem", "slice", "transpose", "reshape", "buffer"])
+def test_a_view_alone_keeps_updates_off_the_memory_it_shows(take):
+    # A view is all the caller keeps (no value() held beside it). Variables keep their arrays on a cache line
+    # (mpistrat.aligned), views of the memory's owner: a view of one holds that owner, which the in-place
+    # check must count too. Sizes whose NumPy allocations land on and off a cache line.
+    for n in (3, 4, 5, 8, 13, 64, 1000, 4099):
+        v = ms.Variable(np.arange(n, dtype=np.float32).reshape(1, n))
+        kept = {"getitem": lambda: v[0, 1:3], "slice": lambda: v.value()[:, 1:3], "transpose": lambda: v.value().T,
+                "reshape": lambda: v.value().reshape(-1), "buffer": lambda: memoryview(v.value())}[take]()
+        before = np.array(kept)
+        v.assign_add(np.ones((1, n), np.float32))
+        v.assign_sub(np.full((1, n), 0.5, np.float32))
+        np.testing.assert_array_equal(np.asarray(kept), before)
+        np.testing.assert_array_equal(v.numpy(), np.arange(n, dtype=np.float32).reshape(1, n) + 0.5)
+
+
 def test_updates_of_an_unshared_value_reuse_its_memory_with_the_same_bits():
     rng = np.random.default_rng(0)
     start = rng.standard_normal(1000).astype(np.float32)

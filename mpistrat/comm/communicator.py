@@ -430,8 +430,8 @@ class RankCommunicator:
                 require_same_pack(aux)
             plan = self._planner.plan(plan_key, sig, kinds, opname, pack_bytes)
             plan.key, plan.h = key, h
-            for step in plan.steps if not inplace else ():
-                if step.direct and step.kind == HOST:
+            for step in plan.steps:  # a result of its own: in place, the source is the result (the Python path)
+                if step.direct and step.kind == HOST and not inplace:
                     step.lane = compiled_step(self.settings.compiled_lane, self._guard, step.transport,
                                               step.bucket.nbytes, step.bucket.dtype, plan.op)
             first = plan.steps[0] if plan.steps else None

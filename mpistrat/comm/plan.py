@@ -43,8 +43,9 @@ class Step:
         # Host results may go straight into blocks the transport shares (shm/results.py).
         shared = transport.result_blocks if kind == HOST else None
         self.pool = ResultPool(bucket, xp, shared=shared) if kind != CAI else None
-        # A direct host step's compiled reduce-scatter for calls whose check is done (agreement/lane.py).
-        self.lane: Any = None
+        # A direct host step's compiled reduce-scatter for calls whose check is done (agreement/lane.py's
+        # StepScatter): lane(src, dst) reduces and returns True, or does nothing and returns False.
+        self.lane: Callable[[np.ndarray, np.ndarray], bool] | None = None
         self._src: Any = None
         self._src_views: list = []
 

@@ -12,14 +12,22 @@ __all__ = ["errors_may_raise", "run"]
 
 # References to a variable's array when only the variable holds it: its attribute and getrefcount's argument.
 _SOLE_OWNER_REFS = 2
+# References to the memory's owner, where that array is a view of it (``mpistrat.aligned``'s are), when only the
+# array holds it: the array's ``base``, a local name and getrefcount's argument.
+_SOLE_BASE_REFS = 3
 _QUIET = frozenset({"ignore", "warn", "print"})  # NumPy error modes that never raise (unless warnings do)
 
 
 def _sole_owner(variable: Any) -> bool:
     """Whether nothing outside ``variable`` (a ``Variable``) refers to its array: no snapshot from
-    ``value()``, no view of it (a view holds its base), no buffer export. ``value()`` promises a snapshot
-    that later updates leave alone, so only then may an update write into the array itself."""
-    return sys.getrefcount(variable._array) <= _SOLE_OWNER_REFS
+    ``value()``, no view of it, no buffer export. ``value()`` promises a snapshot that later updates
+    leave alone, so only then may an update write into the array itself. NumPy points a view's ``base``
+    at the array that owns the memory, so where the variable's array is a view, a view of it holds that
+    owner instead."""
+    if sys.getrefcount(variable._array) > _SOLE_OWNER_REFS:
+        return False
+    base = variable._array.base
+    return base is None or sys.getrefcount(base) <= _SOLE_BASE_REFS
 
 
 def errors_may_raise() -> bool:

@@ -191,9 +191,7 @@ def _frozen(array: Any) -> Any:
 def _stored(array: Any) -> Any:
     """The array a variable holds: a NumPy array on a cache line, as TF places tensors (a copy where it is not:
     ``mpistrat.aligned``), read-only; a CuPy array as it is (its memory pool aligns to 256 bytes)."""
-    if type(array) is np.ndarray and not (array.flags.c_contiguous and aligned.is_aligned(array)):
-        array = aligned.copy(array)
-    return _frozen(array)
+    return _frozen(aligned.ensure(array) if type(array) is np.ndarray else array)
 
 
 def _aligned_cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -402,7 +400,8 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
         with (dev.device_scope(self._device) if on_gpu else _NO_SCOPE), self._update_lock:
             xp = dev.array_module(self._device) if on_gpu else np
             if method == "assign":  # TF has no strides; on the host, one copy straight onto a cache line
-                new = xp.array(new, dtype=self.dtype, copy=True, order="C") if on_gpu else _aligned_cast(new, self.dtype)
+                new = (xp.array(new, dtype=self.dtype, copy=True, order="C") if on_gpu
+                       else _aligned_cast(new, self.dtype))
                 if new.shape != self._array.shape:
                     raise ValueError(f"Cannot assign a value of shape {new.shape} to variable {self._name} "
                                      f"of shape {self._array.shape}")

@@ -1,4 +1,5 @@
-/* The compiled lane of a repeated one-array all-reduce on one node, the check's shared-memory round included.
+/* The compiled lane of a one-array all-reduce on one node, the check's shared-memory round included (or, for
+ * scatter, done before it).
  *
  * run (shm-small's call, below) and scatter (the shm window's reduce-scatter, further down). run does what ShmAllgather.exchange (the round), AgreementGuard.check_aux (the common verdict)
  * and SmallShmTransport.allreduce_prepared (the copy into this rank's slot and the sums of every
@@ -250,7 +251,8 @@ done:
     return result;
 }
 
-/* The reduce-scatter of one array on one node, chunk by chunk, its first synchronisation the check's round.
+/* The reduce-scatter of one array on one node, chunk by chunk, its first synchronisation the check's round
+ * (or an epoch, where the check was done before: table 0).
  *
  * scatter(table, mine, round, lines, h, aux, deadline, spins, src, dst, kind, segs, itemsize, chunk, direct,
  *         me, controls, blocks, slot, counters, words, epoch)
@@ -445,7 +447,7 @@ static PyMethodDef lane_methods[] = {
     {"run", (PyCFunction)(void (*)(void))lane_run, METH_FASTCALL,
      "Copy in, post the check's round, spin, judge and sum: True (summed), None (a peer late) or False."},
     {"scatter", (PyCFunction)(void (*)(void))lane_scatter, METH_FASTCALL,
-     "The reduce-scatter of one array on one node, its first synchronisation the check's round."},
+     "The reduce-scatter of one array on one node, its first synchronisation the check's round (table 0: an epoch)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,4 @@
-"""The compiled lane: a repeated one-array all-reduce on one node in one C call, its agreement round included.
+"""The compiled lane: a one-array all-reduce on one node in one C call, with its agreement round or after it.
 
 A repeated one-array all-reduce whose check folds into a shared-memory transport's synchronisation (the
 communicator's ``allreduce_repeat``) runs, in Python, the copy into shared memory, the guard's
@@ -10,9 +10,11 @@ window's reduce-scatter one ``_lane.scatter``; both keep the memory protocol of
 on the Python path in the same rounds. They combine data only after every rank posted this rank's
 fingerprint and ``aux`` with no deadline passed; every other outcome (a rank later than the spin and 1
 ms of yields, a mismatch, a deadline) goes back to the guard, which waits, judges and raises as always,
-before any data is combined, and the transport's Python path finishes the call. The extension is
-optional: without it (no compiler at install) or with ``MPISTRAT_COMPILED_LANE=0`` every call takes the
-Python path.
+before any data is combined, and the transport's Python path finishes the call. :class:`StepScatter` is
+the same reduce-scatter for a step reached once its call's check is done (a list's later arrays, an array
+whose check was a round of its own): no round, and the transport's epochs as the Python path posts them.
+The extension is optional: without it (no compiler at install) or with ``MPISTRAT_COMPILED_LANE=0``
+every call takes the Python path.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from mpistrat.comm.agreement.guard import AgreementGuard
 from mpistrat.comm.agreement.shm_allgather import ShmAllgather
 from mpistrat.comm.transport.base import Transport
 from mpistrat.comm.transport.shm.allreduce import ShmTransport
+from mpistrat.comm.transport.shm.plan import ScatterLayout
+from mpistrat.comm.transport.shm.results import MAX_BYTES as SHARED_RESULTS_MAX_BYTES
 from mpistrat.comm.transport.shm.small import SmallShmTransport
 
 try:
@@ -57,8 +61,8 @@ def compiled_lane(enabled: bool, check: FoldedCheck, guard: AgreementGuard | Non
     False (``MPISTRAT_COMPILED_LANE``), a guard that does not gather in shared memory, a transport other
     than ``shm-small`` (:class:`CompiledLane`) or ``shm`` (:class:`CompiledScatter`), an empty array, or an
     op and dtype the kernel leaves to NumPy."""
-    kind = _KINDS.get((op, np.dtype(dtype)))
-    if not enabled or kind is None or nbytes == 0 or guard is None or guard.gather is None:
+    kind = _kind(enabled, guard, nbytes, dtype, op)
+    if kind is None or guard is None or guard.gather is None:
         return None
     if isinstance(transport, SmallShmTransport):
         return CompiledLane(check, guard, guard.gather, transport, prepared, kind)
@@ -71,13 +75,24 @@ def compiled_step(enabled: bool, guard: AgreementGuard | None, transport: Transp
                   op: str) -> "StepScatter | None":
     """The compiled reduce-scatter of one plan step, a single host array, for calls whose check is done by
     the time the step runs (:class:`StepScatter`), or None where it does not apply: as :func:`compiled_lane`
-    for ``shm``."""
-    kind = _KINDS.get((op, np.dtype(dtype)))
-    if not enabled or kind is None or nbytes == 0 or guard is None or _lane is None:
+    for ``shm``, and arrays above ``SHARED_RESULTS_MAX_BYTES``."""
+    kind = _kind(enabled, guard, nbytes, dtype, op)
+    if kind is None or guard is None or nbytes > SHARED_RESULTS_MAX_BYTES:
+        # Above it the result is copied out of the window, not written into a shared result block, and the
+        # kernel, which holds the GIL while it copies and sums, took longer than NumPy's path at 4 ranks on 2
+        # cores (64 MiB: benchmarks/README.md, "A step after the check").
         return None
     if isinstance(transport, ShmTransport) and nbytes > transport.direct_max_bytes >= 0:
         return StepScatter(transport, kind, op, guard._spins)
     return None
+
+
+def _kind(enabled: bool, guard: AgreementGuard | None, nbytes: int, dtype: np.dtype, op: str) -> int | None:
+    """The kernels' KIND_* of a call, or None where no kernel applies: the extension absent or ``enabled``
+    False, no guard, an empty array, or an op and dtype the kernels leave to NumPy."""
+    if not enabled or guard is None or nbytes == 0:
+        return None
+    return _KINDS.get((op, np.dtype(dtype)))
 
 
 class FoldedLane(abc.ABC):
@@ -242,38 +257,66 @@ class CompiledScatter(FoldedLane):
 
     def _post(self, ready: Any, round_: int, mine: int, deadline: int, src: np.ndarray, dst: np.ndarray) -> Any:
         layout, slot = ready
-        return _lane.scatter(self._table, mine, round_, self._lines[round_ & 1], self._h, self._aux, deadline,
-                             self._guard._spins, src, dst, self._kind, layout.segments[self._transport._bucket],
-                             layout.itemsize, layout.chunk, layout.direct, layout.me, layout.controls, layout.blocks,
-                             slot, layout.counters, layout.words, layout.sync.epoch)
+        check = (self._table, mine, round_, self._lines[round_ & 1], self._h, self._aux, deadline)
+        return _scatter(self._transport, layout, slot, check, self._guard._spins, src, dst, self._kind)
 
     def _after(self, ready: Any, out: Any, src: np.ndarray, dst: np.ndarray) -> None:
-        layout = ready[0]
-        sync = layout.sync
-        if out is True:
-            sync.advance(layout.epochs)  # the epochs the kernel posted
-            if layout.tail_one_sync:
-                self._transport._bucket ^= 1  # as _sum_all flips it
-            return
-        chunk, pushed = divmod(out, 2)  # the kernel posted chunk's first (second) synchronisation; a peer late
-        sync.advance(2 * chunk + pushed)
-        sync.wait_posted()
-        self._transport.finish_scatter(layout, src, dst, self._op, chunk, bool(pushed))
+        _scattered(self._transport, ready[0], out, src, dst, self._op, 0)
 
     def _finish(self, ready: Any, src: np.ndarray, dst: np.ndarray, synced: bool) -> None:
         self._transport.finish_scatter(ready[0], src, dst, self._op, 0, False, synced)
 
     def _failed(self, ready: Any) -> None:
-        shared = ready[0].shared
-        if shared is not None:
-            shared.retire()  # a late owner may still write into it: never hand it out again
+        _scatter_failed(ready[0])
+
+
+def _scatter(transport: ShmTransport, layout: ScatterLayout, slot: int, check: tuple, spins: int, src: np.ndarray,
+             dst: np.ndarray, kind: int) -> Any:
+    """``_lane.scatter`` of ``layout`` with the check's round (``check``: its table, mine, round, lines, h, aux
+    and deadline) or without (``_no_round``)."""
+    return _lane.scatter(*check, spins, src, dst, kind, layout.segments[transport._bucket], layout.itemsize,
+                         layout.chunk, layout.direct, layout.me, layout.controls, layout.blocks, slot, layout.counters,
+                         layout.words, layout.sync.epoch)
+
+
+def _no_round(layout: ScatterLayout) -> tuple:
+    """``_scatter``'s check for a call without the round: table 0; the lines only name the ranks (their count)."""
+    return 0, 0, 0, layout.words, 0, 0, 0
+
+
+def _scattered(transport: ShmTransport, layout: ScatterLayout, out: Any, src: np.ndarray, dst: np.ndarray, op: str,
+               first: int) -> None:
+    """Finish a ``_lane.scatter`` that returned ``out``, True (done) or ``2 * chunk + phase`` (that synchronisation
+    posted, a peer late at it: the Python path goes on from there). ``first``: 1 where the kernel posted the first
+    chunk's first synchronisation as an epoch (no round), else 0."""
+    sync = layout.sync
+    if out is True:
+        sync.advance(layout.epochs + first)  # the epochs the kernel posted
+        if layout.tail_one_sync:
+            transport._bucket ^= 1  # as _sum_all flips it
+        return
+    chunk, pushed = divmod(out, 2)
+    sync.advance(2 * chunk + pushed + first)
+    sync.wait_posted()
+    transport.finish_scatter(layout, src, dst, op, chunk, bool(pushed))
+
+
+def _scatter_failed(layout: ScatterLayout) -> None:
+    """After a ``_lane.scatter`` call that raised (before or after the kernel, or between it and
+    :func:`_scattered`: a signal handled as it returned)."""
+    layout.sync.resync()  # the epochs the kernel posted, whether or not they were counted
+    if layout.shared is not None:
+        layout.shared.retire()  # a late owner may still write into it: never hand it out again
 
 
 class StepScatter:
-    """``shm``'s reduce-scatter of one array in one ``_lane.scatter`` without the check's round: a step of an
-    all-reduce whose check was done before it (a list's later arrays; the check at its first step). Its first
-    synchronisation is an epoch, as the Python path's (``allreduce_array`` without a hook); a peer later than
-    the kernel's spin and yields hands the rest to that path, which waits with its timeouts."""
+    """``shm``'s reduce-scatter of one array in one ``_lane.scatter``, without the check's round.
+
+    For a step of an all-reduce whose check was done before it: a list's arrays after its first, or an
+    array whose check was a round of its own. Its first synchronisation is an epoch, as the Python path's
+    (``allreduce_array`` without a hook); a peer later than the kernel's spin and yields hands the rest to
+    that path, which waits with its timeouts.
+    """
 
     __slots__ = ("_transport", "_kind", "_op", "_spins")
 
@@ -287,27 +330,13 @@ class StepScatter:
         layout = transport.scatter_layout(dst.size, dst.dtype)
         if layout is None:
             return False
-        shared = layout.shared
-        slot = -1 if shared is None else shared.announce(dst)
-        sync = layout.sync
+        slot = -1 if layout.shared is None else layout.shared.announce(dst)
         try:
-            out = _lane.scatter(0, 0, 0, layout.words, 0, 0, 0, self._spins, src, dst, self._kind,
-                                layout.segments[transport._bucket], layout.itemsize, layout.chunk, layout.direct,
-                                layout.me, layout.controls, layout.blocks, slot, layout.counters, layout.words,
-                                sync.epoch)
+            out = _scatter(transport, layout, slot, _no_round(layout), self._spins, src, dst, self._kind)
             if out is NotImplemented:
                 return False
-            if out is True:
-                sync.advance(layout.epochs + 1)  # the kernel's epochs, the first chunk's first among them
-                if layout.tail_one_sync:
-                    transport._bucket ^= 1  # as _sum_all flips it
-                return True
-            chunk, pushed = divmod(out, 2)  # the kernel posted chunk's first (second) synchronisation; a peer late
-            sync.advance(2 * chunk + pushed + 1)
-            sync.wait_posted()
-            transport.finish_scatter(layout, src, dst, self._op, chunk, bool(pushed))
+            _scattered(transport, layout, out, src, dst, self._op, 1)
         except BaseException:
-            if shared is not None:
-                shared.retire()  # a late owner may still write into it: never hand it out again
+            _scatter_failed(layout)
             raise
         return True

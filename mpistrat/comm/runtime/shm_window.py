@@ -270,6 +270,12 @@ class CounterSync(NodeSync):
         data stores, and saw every peer reach, but for the last, which it may leave to :meth:`wait_posted`."""
         self._epoch += waits
 
+    def resync(self) -> None:
+        """Count every epoch this rank's counter holds: after a compiled poster's call that raised, whose
+        posts may not all have been counted (:meth:`advance`: a signal handled as the call returned)."""
+        if self._ctr is not None:
+            self._epoch = self._ctr[self._me]
+
     def wait_posted(self) -> None:
         """The rest of a wait whose epoch this rank posted (:meth:`advance`): every peer reaching it."""
         ctr = self._ctr
