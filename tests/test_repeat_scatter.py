@@ -28,6 +28,16 @@ from helpers import run_all_reduce
 SIZES = [300 << 10, (1 << 20) + 4160, (3 << 18) + 64]
 
 
+def _one_node_window(monkeypatch, compiled: bool | None = None) -> None:
+    """The default strategy's settings on one node (large arrays through the window transport, the check folded),
+    in 512 KiB chunks whatever this machine's L2; with ``compiled``, the kernels on (True) or off (False)."""
+    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
+    if compiled is not None:
+        monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1" if compiled else "0")
+
+
 @pytest.fixture(params=["compiled", "python", "mixed"])
 def lane_mode(request, monkeypatch, comm):
     """Every test with the compiled reduce-scatter, with the Python path, and with the kernel on rank 0 only
@@ -39,10 +49,8 @@ def lane_mode(request, monkeypatch, comm):
 
 @pytest.fixture
 def strategy(comm, monkeypatch, lane_mode):
-    """The default strategy on one node (large arrays through the window transport, the check folded)."""
-    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT", "MPISTRAT_SHM_CHUNK_BYTES"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))  # chunks whatever this machine's L2
+    """The default strategy on one node (:func:`_one_node_window`)."""
+    _one_node_window(monkeypatch)
     return ms.MultiWorkerMirroredStrategy()
 
 
@@ -134,10 +142,7 @@ def test_peers_late_at_the_check_or_at_a_chunks_synchronisation_hand_the_rest_to
     # of a chunk after the first (2 * chunk + 1). The kernel's ranks go on in Python from where it stopped,
     # to the same bits.
     late = comm.rank == comm.size - 1
-    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "0" if late else "1")
-    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
+    _one_node_window(monkeypatch, compiled=not late)
     strategy = ms.MultiWorkerMirroredStrategy()
     rng = np.random.default_rng(comm.rank)
     x = _inputs(rng, nbytes // 4, np.float32)
@@ -231,10 +236,7 @@ def test_the_kernel_stages_its_data_before_it_posts_the_check(comm, monkeypatch)
     # What test_comm_check_overlap.py pins down for the Python path, seen from a peer here: by the time rank
     # 0's round of the check is visible, its segment holds this call's data in the slices its peers sum.
     last = comm.size - 1
-    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1" if comm.rank == 0 else "0")
-    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
+    _one_node_window(monkeypatch, compiled=comm.rank == 0)
     strategy = ms.MultiWorkerMirroredStrategy()
     count = SIZES[0] // 4
     for _ in range(2):
@@ -339,10 +341,7 @@ def test_peers_late_at_a_steps_synchronisation_hand_the_rest_of_the_step_to_the_
     # chunk (4: the third chunk's one synchronisation). The kernel's ranks go on in Python from where it
     # stopped, to the same bits.
     late = comm.rank == comm.size - 1
-    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "0" if late else "1")
-    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
+    _one_node_window(monkeypatch, compiled=not late)
     strategy = ms.MultiWorkerMirroredStrategy()
     rng = np.random.default_rng(comm.rank)
     xs = [_inputs(rng, n // 4, np.float32) for n in LIST_SIZES]
@@ -382,10 +381,7 @@ def test_peers_late_at_a_steps_synchronisation_hand_the_rest_of_the_step_to_the_
 def test_the_workers_calls_keep_off_the_step_kernel(comm, monkeypatch):
     # An asynchronous list all-reduce runs on the communicator's worker thread, where the kernel, which holds the
     # GIL while it copies and sums, would stall the caller's computation: only the caller's calls take it.
-    for name in ("MPISTRAT_SHM_MIN_BYTES", "MPISTRAT_PRETEND_NODES", "MPISTRAT_AGREEMENT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1")
-    monkeypatch.setenv("MPISTRAT_SHM_CHUNK_BYTES", str(512 << 10))
+    _one_node_window(monkeypatch, compiled=True)
     communicator = RankCommunicator()
     try:
         shm = [t for t in communicator.transports if isinstance(t, ShmTransport)]
