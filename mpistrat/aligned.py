@@ -42,8 +42,8 @@ def copy(array: np.ndarray) -> np.ndarray:
 
 
 def ensure(array: np.ndarray) -> np.ndarray:
-    """``array`` itself where it is C-contiguous on a boundary (or of a dtype :func:`empty` cannot place), else
-    :func:`copy`."""
-    if array.dtype.kind not in _PLAIN_KINDS or (array.flags.c_contiguous and is_aligned(array)):
+    """``array`` itself where it is C-contiguous and on a boundary (or C-contiguous, of a dtype :func:`empty`
+    cannot place), else :func:`copy`."""
+    if array.flags.c_contiguous and (array.dtype.kind not in _PLAIN_KINDS or is_aligned(array)):
         return array
     return copy(array)

@@ -90,3 +90,17 @@ def test_an_optimizers_slots_and_updated_variables_stay_on_a_cache_line():
     assert len(slots) == 2 and all(aligned.is_aligned(c.value()) for s in slots for c in s.values)
     assert all(aligned.is_aligned(c.value()) for c in w.values)
     assert np.array_equal(w.values[0].value(), w.values[1].value()) and np.all(w.values[0].value() < 1.0)
+
+
+def test_updates_of_an_aligned_variable_nobody_else_holds_reuse_its_memory():
+    # An aligned array is a view of its buffer: the in-place check counts the buffer's holders, and with none but
+    # the array, updates write where it is (no copy per step).
+    v = ms.Variable(np.zeros(4099, np.float32))
+    v.assign(off_line(np.arange(4099, dtype=np.float32)))  # assign's one copy: always a view of its own buffer
+    assert v.value().base is not None and aligned.is_aligned(v.value())
+    address = v.value().__array_interface__["data"][0]
+    for _ in range(3):
+        v.assign_add(np.ones(4099, np.float32))
+    v.assign_sub(np.full(4099, 0.5, np.float32))
+    assert v.value().__array_interface__["data"][0] == address
+    np.testing.assert_array_equal(v.numpy(), np.arange(4099, dtype=np.float32) + 2.5)

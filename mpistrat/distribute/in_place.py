@@ -12,10 +12,19 @@ __all__ = ["errors_may_raise", "run"]
 
 # References to a variable's array when only the variable holds it: its attribute and getrefcount's argument.
 _SOLE_OWNER_REFS = 2
-# References to the memory's owner, where that array is a view of it (``mpistrat.aligned``'s are), when only the
-# array holds it: the array's ``base``, a local name and getrefcount's argument.
-_SOLE_BASE_REFS = 3
 _QUIET = frozenset({"ignore", "warn", "print"})  # NumPy error modes that never raise (unless warnings do)
+
+
+def _base_refs(array: np.ndarray) -> int:
+    """References to ``array``'s base, the memory's owner where ``array`` is a view of it (0: it owns its memory),
+    as counted from here."""
+    base = array.base
+    return 0 if base is None else sys.getrefcount(base)
+
+
+# The same count for a base that only its view holds, measured by the same code: what a name costs differs
+# between Python versions (3.14 borrows a local's reference).
+_SOLE_BASE_REFS = _base_refs(np.empty(2)[1:])
 
 
 def _sole_owner(variable: Any) -> bool:
@@ -26,8 +35,7 @@ def _sole_owner(variable: Any) -> bool:
     owner instead."""
     if sys.getrefcount(variable._array) > _SOLE_OWNER_REFS:
         return False
-    base = variable._array.base
-    return base is None or sys.getrefcount(base) <= _SOLE_BASE_REFS
+    return _base_refs(variable._array) <= _SOLE_BASE_REFS
 
 
 def errors_may_raise() -> bool:

@@ -189,8 +189,9 @@ def _frozen(array: Any) -> Any:
 
 
 def _stored(array: Any) -> Any:
-    """The array a variable holds: a NumPy array on a cache line, as TF places tensors (a copy where it is not:
-    ``mpistrat.aligned``), read-only; a CuPy array as it is (its memory pool aligns to 256 bytes)."""
+    """The array a variable holds: a NumPy array C-ordered and, for bool and numeric dtypes, on a cache line, as
+    TF places tensors (a copy where it is not: ``mpistrat.aligned``), read-only; a CuPy array as it is (its
+    memory pool aligns to 256 bytes)."""
     return _frozen(aligned.ensure(array) if type(array) is np.ndarray else array)
 
 

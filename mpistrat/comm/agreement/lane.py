@@ -304,7 +304,7 @@ def _scattered(transport: ShmTransport, layout: ScatterLayout, out: Any, src: np
 def _scatter_failed(layout: ScatterLayout) -> None:
     """After a ``_lane.scatter`` call that raised (before or after the kernel, or between it and
     :func:`_scattered`: a signal handled as it returned)."""
-    layout.sync.resync()  # the epochs the kernel posted, whether or not they were counted
+    layout.sync.resync()  # the epochs this rank posted, whether or not they were counted
     if layout.shared is not None:
         layout.shared.retire()  # a late owner may still write into it: never hand it out again
 

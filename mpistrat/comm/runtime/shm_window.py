@@ -271,8 +271,9 @@ class CounterSync(NodeSync):
         self._epoch += waits
 
     def resync(self) -> None:
-        """Count every epoch this rank's counter holds: after a compiled poster's call that raised, whose
-        posts may not all have been counted (:meth:`advance`: a signal handled as the call returned)."""
+        """Set the count to the last epoch this rank posted (its counter): after a call that raised between a
+        post and its count (a compiled poster's posts before :meth:`advance`, a signal handled as it returned;
+        or :meth:`wait` interrupted before it posted). Only the count: nothing else the call changed."""
         if self._ctr is not None:
             self._epoch = self._ctr[self._me]
 
