@@ -309,7 +309,7 @@ class RankCommunicator:
         try:
             dst = step.pool.get()[1][0]
             src = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-            lane = plan.lane if worker is None or not worker.running_here() else None
+            lane = plan.lane if self._kernels_here() else None
             if lane is not None and lane(src, dst):
                 return dst
             if prepared is not None:
@@ -461,15 +461,19 @@ class RankCommunicator:
             self._record("allreduce", t0, plan.nbytes, op=opname, arrays=len(arrays), buckets=len(plan.steps))
         return results
 
+    def _kernels_here(self) -> bool:
+        """Whether this thread's calls may take the compiled kernels (agreement/lane.py): not the worker's, whose
+        copies and sums would hold the GIL the caller computes with meanwhile."""
+        worker = self._worker
+        return worker is None or not worker.running_here()
+
     def _execute(self, plan: Plan, arrays: list, inplace: bool, mode: int, timeout: float, pack_bytes: int) -> list:
         """Agreement, then execute (two ranks or more): the first bucket's transport completes the check
         (agreement/call.py)."""
         agreement = self._agreement
         hook = agreement.begin(plan.key, plan.h, timeout, pack_bytes, mode)
-        worker = self._worker  # its own calls keep off the compiled kernels (allreduce_repeat)
-        compiled = worker is None or not worker.running_here()
         try:
-            results = run_steps(plan.steps, arrays, plan.op, inplace, hook, self._scratch, compiled)
+            results = run_steps(plan.steps, arrays, plan.op, inplace, hook, self._scratch, self._kernels_here())
         except BaseException as exc:
             agreement.fail(exc)
             raise

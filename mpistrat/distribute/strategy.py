@@ -454,10 +454,10 @@ class StrategyExtended:
         :meth:`update`'s, in its order (every copy of one variable, then the next: when an update fails,
         every variable before it is updated on every copy), without its per-call checks and with each copy's frame
         made once; with one local copy its frame is entered once for all. Anything else goes through
-        :meth:`update` one variable at a time (a strategy's own ``update`` included).
+        :meth:`update` one variable at a time (a strategy's own ``update`` included). The caller checks every
+        variable of its step with :meth:`_require_updatable` first, so that none changes where one cannot.
         """
         n = self._num_local
-        self._require_updatable(variables)
         if self._is_default or not all(isinstance(v, DistributedValues) and len(v.values) == n for v in variables):
             for j, (var, value) in enumerate(zip(variables, values)):
                 self.update(var, fn, (value, j), group=False)
