@@ -39,6 +39,43 @@ def _plan(strategy, x):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_repeated_list_whose_first_array_is_a_step_alone_folds_its_check_into_that_steps_lane(strategy, comm,
+                                                                                               lane_mode):
+    # Two dtypes: two steps of one array each on shm-small; the list's check is the first step's handshake (the
+    # compiled lane's round where it is on), the second step is reduced after it.
+    rc = strategy.extended._communicator
+    xs = [np.full(300, comm.rank + 1.0, np.float32), np.arange(50, dtype=np.float64) * (comm.rank + 1)]
+    run_all_reduce(strategy, "sum", xs)
+    plan = rc._planner.lists[("sum", None, 2)][1]
+    assert [len(s.members) for s in plan.steps] == [1, 1] and plan.folded is not None
+    assert (plan.lane is not None) == (lane_mode == "compiled")
+    lane = plan.lane
+    calls = []
+    if lane is not None:
+        def counted(src, dst):
+            calls.append(lane(src, dst))
+            return calls[-1]
+
+        plan.lane = counted
+    total = comm.size * (comm.size + 1) / 2
+    held = []
+    for k in range(4):
+        xs[0][:] = comm.rank + 1.0 + k
+        out = run_all_reduce(strategy, "sum", xs)
+        assert np.all(out[0] == total + comm.size * k) and np.array_equal(out[1], np.arange(50) * total)
+        assert np.all(xs[0] == comm.rank + 1.0 + k)  # the input untouched
+        held.append(out[0])
+    assert all(np.all(r == total + comm.size * k) for k, r in enumerate(held))
+    assert plan.folded.pending is False
+    if lane is not None:
+        assert calls == [True] * 4
+    odd = comm.rank == comm.size - 1
+    with pytest.raises(CollectiveMismatchError, match="Mismatched allreduce"):
+        run_all_reduce(strategy, "sum", [xs[0], xs[1][:49]] if odd else xs)
+    assert np.all(run_all_reduce(strategy, "sum", xs)[0] == total + comm.size * 3)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("as_list", [False, True])
 def test_repeats_take_the_lean_path_and_every_result_is_a_new_array_kept(strategy, comm, as_list, lane_mode):
     x = np.full(1000, comm.rank + 1.0, np.float32)

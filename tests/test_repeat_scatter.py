@@ -283,8 +283,8 @@ def _list_plan(strategy, op: str, count: int):
 def test_a_repeated_lists_arrays_after_the_check_take_the_kernel_without_a_round_to_numpys_bits(strategy, comm,
                                                                                               lane_mode, recorded,
                                                                                               dtype, op):
-    # The list's check runs at its first array (the Python path); the kernel reduces the later arrays without
-    # a round of its own. Every result a new array, none written again by a later call, the inputs untouched.
+    # The list's check folds into its first array's reduce-scatter, which the kernel runs with the check's
+    # round, as for one array; the kernel reduces the later arrays without a round of its own. Every result a new array, none written again by a later call, the inputs untouched.
     rng = np.random.default_rng(comm.rank)
     itemsize = np.dtype(dtype).itemsize
     kept = []
@@ -301,12 +301,42 @@ def test_a_repeated_lists_arrays_after_the_check_take_the_kernel_without_a_round
         assert out.tobytes() == expected.tobytes()
     plan = _list_plan(strategy, op, len(LIST_SIZES))
     assert all(isinstance(s.lane, StepScatter) == (lane_mode == "compiled") for s in plan.steps)
-    assert recorded["round"] == []  # a list's check is never the kernel's
-    if lane_mode == "compiled":  # the later arrays of the repeats at least (a peer late: an epoch's code)
+    assert isinstance(plan.lane, CompiledScatter) == (lane_mode == "compiled")
+    if lane_mode == "compiled":  # the repeats at least (a peer late: None, or an epoch's code)
+        assert len(recorded["round"]) >= 3, recorded["round"]
+        assert all(r is True or r is None or type(r) is int for r in recorded["round"])
         assert len(recorded["step"]) >= LATER * 3, recorded["step"]
         assert all(r is True or type(r) is int for r in recorded["step"])
     else:
-        assert recorded["step"] == []
+        assert recorded["round"] == recorded["step"] == []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("differs", ["later shape", "first shape", "op"])
+def test_a_mismatch_against_a_repeated_list_whose_check_is_its_first_arrays_raises_on_every_rank(strategy, comm,
+                                                                                               lane_mode, recorded,
+                                                                                               differs):
+    # The matched ranks run the first array's check in its reduce-scatter (the kernel's round, or the Python
+    # path's first synchronisation) with the plan's fingerprint; the odd rank's call is another: every rank
+    # raises before any data is combined, and the next calls are summed as before.
+    xs = [np.full(n // 4, comm.rank + 1.0, np.float32) for n in LIST_SIZES]
+    other = {"later shape": xs[:-1] + [np.ones(LIST_SIZES[-1] // 4 + 16, np.float32)],
+             "first shape": [np.ones(LIST_SIZES[0] // 4 + 16, np.float32)] + xs[1:], "op": xs}[differs]
+    for _ in range(2):  # both planned on every rank, xs filed last: the matched ranks' next call repeats it
+        run_all_reduce(strategy, "sum", other)
+        run_all_reduce(strategy, "sum", xs)
+    odd = comm.rank == comm.size - 1
+    recorded["round"].clear()
+    recorded["step"].clear()
+    with pytest.raises(CollectiveMismatchError, match="Mismatched allreduce op" if differs == "op" else
+                       "Mismatched allreduce shapes"):
+        run_all_reduce(strategy, "max" if odd and differs == "op" else "sum", other if odd else xs)
+    assert recorded["step"] == []  # no later array was reduced
+    if lane_mode == "compiled" and not odd:  # the kernel posted the round and found another call
+        assert recorded["round"] in ([False], [None]), recorded["round"]
+    total = comm.size * (comm.size + 1) / 2
+    for _ in range(2):
+        assert all(np.all(r == total) for r in run_all_reduce(strategy, "sum", xs))
 
 
 @pytest.mark.mpi(min_size=2)

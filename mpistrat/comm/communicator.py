@@ -336,7 +336,25 @@ class RankCommunicator:
         if not filed[0].matches(arrays):
             return None
         plan = filed[1]
-        return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
+        folded = plan.folded
+        if folded is None:
+            return self._execute(plan, arrays, False, plan.repeat_mode, self._timeout, self._pack)
+        # The check folds into the first array's transport, as for a repeated call of one array
+        # (allreduce_repeat): the plan's FoldedCheck is the hook, and its lane the first step's.
+        guard = self._guard
+        if guard.broken is not None:  # before staging: peers may still read this rank's last data
+            guard.require_usable()
+        folded.pending = True
+        kernels = self._kernels_here()
+        try:
+            results = run_steps(plan.steps, arrays, plan.op, False, folded, self._scratch, kernels,
+                                plan.lane if kernels else None)
+        except BaseException as exc:
+            folded.fail(exc)
+        if folded.pending:
+            folded.fail(RuntimeError(f"transport {type(plan.steps[0].transport).__name__} never called its "
+                                     "agreement hook"))
+        return results
 
     def _deterministic(self, arrays: Sequence[Any], op: Any, options: CommunicationOptions | None, inplace: bool,
                        divisor: int | None, structure: str | None) -> list:
@@ -438,7 +456,7 @@ class RankCommunicator:
             if first is not None:
                 plan.repeat_mode = choose_mode(self._guard, first.kind == HOST, first.bucket.nbytes,
                                                first.transport.folds_agreement)
-                if plan.repeat_mode == FOLD and len(plan.steps) == 1 and first.direct and not inplace:
+                if plan.repeat_mode == FOLD and first.direct and not inplace:
                     plan.folded = FoldedCheck(self._agreement, key, h, self._timeout, self._pack)
                     a = arrays[first.members[0]]
                     if isinstance(first.transport, RepeatTransport):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from mpi4py import MPI
 
@@ -15,12 +17,13 @@ __all__ = ["run_steps"]
 
 
 def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: AgreementHook,
-              scratch: GrowableBuffers, compiled: bool = False) -> list:
+              scratch: GrowableBuffers, compiled: bool = False, first_lane: Any = None) -> list:
     """Reduce ``arrays`` step by step over two or more ranks; the results (``arrays`` when ``inplace``).
 
-    The first step's transport gets the call's agreement ``hook``; later steps get
-    :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then), and with ``compiled``
-    a step's compiled reduce-scatter (``Step.lane``) where it has one and can take the call.
+    The first step's transport gets the call's agreement ``hook``, or, where ``first_lane`` (the plan's
+    compiled lane, whose check is ``hook``) takes the call, that lane reduces the first step with the check;
+    later steps get :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then), and with
+    ``compiled`` a step's compiled reduce-scatter (``Step.lane``) where it has one and can take the call.
     Results are new arrays from each step's pool (never overwritten by a later
     call), or, in place, the input arrays themselves: a packed bucket is then reduced into
     ``scratch`` (host) or a new device array and copied into them, never via memory a transport
@@ -44,7 +47,9 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
             else:
                 src = a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
                 dst = results[b.members[0]] = step.pool.get()[1][0]
-                if compiled and hook is NO_AGREEMENT and step.lane is not None and step.lane(src, dst):
+                lane = step.lane if hook is NO_AGREEMENT else first_lane
+                if compiled and lane is not None and lane(src, dst):
+                    hook = NO_AGREEMENT
                     continue
             transport.allreduce_array(src, dst, op, hook)
             hook = NO_AGREEMENT

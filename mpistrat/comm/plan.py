@@ -78,9 +78,12 @@ class Plan:
         self.key: tuple = ()
         self.h = 0
         self.repeat_mode = 0
-        self.folded: Any = None  # a one-array FOLD plan's FoldedCheck (communicator.allreduce_repeat)
-        self.prepared: Any = None  # and, where its transport is a RepeatTransport, what it prepared
-        self.lane: Any = None  # and, where the compiled lane applies, its CompiledLane (agreement/lane.py)
+        # A FOLD plan whose first step is one host array: the FoldedCheck of its repeated calls
+        # (communicator.allreduce_repeat, allreduce_repeat_list), what the first step's transport prepared
+        # where it is a RepeatTransport, and the first step's compiled lane (agreement/lane.py) where one applies.
+        self.folded: Any = None
+        self.prepared: Any = None
+        self.lane: Any = None
 
 
 class Planner:
