@@ -7,6 +7,13 @@ iteration copies the gradients afresh (as backward makes new arrays), waits at a
 the strategy's call and the raw calls (``Allreduce(IN_PLACE)`` per array) alternately; the slowest
 rank's time counts. Prints the medians and the median over iterations of raw time / strategy time
 (a paired ratio), and the buckets the communicator planned.
+
+    mpiexec -bind-to core -n 4 python benchmarks/gradient_list.py --first-lane-ab [--iters 60]
+
+``--first-lane-ab`` times the strategy's call against itself instead, in the same processes: with the
+plan's first-step lane (the list's first array reduced by the compiled kernel with the check's round)
+and without it (that array through the transport's Python path, the check in its first synchronisation),
+alternated, each after a barrier; prints both medians and the paired median of without / with.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -26,6 +34,7 @@ SHAPES = [(784, 1024), (1024,), (1024, 1024), (1024,), (1024, 1024), (1024,), (1
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--first-lane-ab", action="store_true", help="the first-step lane on against off")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     strategy = ms.MultiWorkerMirroredStrategy()
@@ -53,6 +62,9 @@ def main() -> None:
 
     for _ in range(5):
         timed_strategy(), timed_raw()
+    if args.first_lane_ab:
+        first_lane_ab(world, strategy, timed_strategy, args.iters)
+        return
     pairs = [(timed_strategy(), timed_raw()) for _ in range(args.iters)]
     if world.rank == 0:
         ts, tr = zip(*pairs)
@@ -61,6 +73,33 @@ def main() -> None:
         print(f"{world.size} ranks, {sum(b.nbytes for b in base) / 2**20:.1f} MiB in {len(base)} arrays: "
               f"strategy {statistics.median(ts) * 1e3:.2f} ms, raw {statistics.median(tr) * 1e3:.2f} ms, "
               f"raw/strategy {statistics.median(r / s for s, r in pairs):.2f} (paired); buckets: {buckets}")
+
+
+def first_lane_ab(world: MPI.Comm, strategy: ms.MultiWorkerMirroredStrategy, timed: Callable[[], float],
+                  iters: int) -> None:
+    """The list's call with its plan's first-step lane and without, alternated (which comes first alternates too)."""
+    plan = strategy.extended._communicator._planner.lists[("sum", None, len(SHAPES))][1]
+    lane = plan.lane
+    if lane is None:
+        raise SystemExit("gradient_list.py --first-lane-ab: the plan has no first-step lane here (the extension "
+                         "is missing, MPISTRAT_COMPILED_LANE=0, or the first array is not reduce-scattered)")
+
+    def with_lane(on: bool) -> float:
+        plan.lane = lane if on else None
+        return timed()
+
+    pairs = []
+    for i in range(iters):
+        first = bool(i % 2)
+        a = with_lane(first)
+        b = with_lane(not first)
+        pairs.append((a, b) if first else (b, a))
+    plan.lane = lane
+    if world.rank == 0:
+        on, off = zip(*pairs)
+        print(f"{world.size} ranks, {len(SHAPES)} arrays: with the first-step lane {statistics.median(on) * 1e3:.2f} ms, "
+              f"without {statistics.median(off) * 1e3:.2f} ms, without / with {statistics.median(b / a for a, b in pairs):.3f}"
+              " (paired)")
 
 
 if __name__ == "__main__":
