@@ -78,28 +78,31 @@ def main() -> None:
 def first_lane_ab(world: MPI.Comm, strategy: ms.MultiWorkerMirroredStrategy, timed: Callable[[], float],
                   iters: int) -> None:
     """The list's call with its plan's first-step lane and without, alternated (which comes first alternates too)."""
-    plan = strategy.extended._communicator._planner.lists[("sum", None, len(SHAPES))][1]
-    lane = plan.lane
-    if lane is None:
-        raise SystemExit("gradient_list.py --first-lane-ab: the plan has no first-step lane here (the extension "
-                         "is missing, MPISTRAT_COMPILED_LANE=0, or the first array is not reduce-scattered)")
+    filed = strategy.extended._communicator._planner.lists.get(("sum", None, len(SHAPES)))
+    plan = None if filed is None else filed[1]
+    lane = None if plan is None else plan.lane
+    if not world.allreduce(lane is not None, MPI.LAND):  # every rank stops, or none
+        raise SystemExit("gradient_list.py --first-lane-ab: a rank's plan has no first-step lane (one rank, the "
+                         "extension missing, MPISTRAT_COMPILED_LANE=0, or the first array not reduce-scattered)")
 
     def with_lane(on: bool) -> float:
         plan.lane = lane if on else None
         return timed()
 
     pairs = []
-    for i in range(iters):
-        first = bool(i % 2)
-        a = with_lane(first)
-        b = with_lane(not first)
-        pairs.append((a, b) if first else (b, a))
-    plan.lane = lane
+    try:
+        for i in range(iters):
+            first = bool(i % 2)
+            a = with_lane(first)
+            b = with_lane(not first)
+            pairs.append((a, b) if first else (b, a))
+    finally:
+        plan.lane = lane
     if world.rank == 0:
         on, off = zip(*pairs)
-        print(f"{world.size} ranks, {len(SHAPES)} arrays: with the first-step lane {statistics.median(on) * 1e3:.2f} ms, "
-              f"without {statistics.median(off) * 1e3:.2f} ms, without / with {statistics.median(b / a for a, b in pairs):.3f}"
-              " (paired)")
+        print(f"{world.size} ranks, {len(SHAPES)} arrays: with the first-step lane {statistics.median(on) * 1e3:.2f} "
+              f"ms, without {statistics.median(off) * 1e3:.2f} ms, without / with "
+              f"{statistics.median(b / a for a, b in pairs):.3f} (paired)")
 
 
 if __name__ == "__main__":

@@ -280,11 +280,11 @@ def _list_plan(strategy, op: str, count: int):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (np.float64, "sum"), (np.int32, "max"), (np.int64, "sum")])
-def test_a_repeated_lists_arrays_after_the_check_take_the_kernel_without_a_round_to_numpys_bits(strategy, comm,
-                                                                                              lane_mode, recorded,
-                                                                                              dtype, op):
+def test_a_repeated_list_takes_the_kernel_with_the_round_at_its_first_array_and_without_after_to_numpys_bits(
+        strategy, comm, lane_mode, recorded, dtype, op):
     # The list's check folds into its first array's reduce-scatter, which the kernel runs with the check's
-    # round, as for one array; the kernel reduces the later arrays without a round of its own. Every result a new array, none written again by a later call, the inputs untouched.
+    # round, as for one array; the kernel reduces the later arrays without a round of its own. Every result a
+    # new array, none written again by a later call, the inputs untouched.
     rng = np.random.default_rng(comm.rank)
     itemsize = np.dtype(dtype).itemsize
     kept = []
@@ -309,6 +309,42 @@ def test_a_repeated_lists_arrays_after_the_check_take_the_kernel_without_a_round
         assert all(r is True or type(r) is int for r in recorded["step"])
     else:
         assert recorded["round"] == recorded["step"] == []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first_lane", ["declines", "raises"])
+def test_a_lists_first_step_the_kernel_declines_or_fails_before_its_round_keeps_every_rank_in_step(comm, monkeypatch,
+                                                                                                first_lane):
+    # Rank 0's first-step lane takes no call: "declines" (nothing done: its transport's Python path runs the
+    # plan's check in the first synchronisation, which the other ranks' kernels meet), or "raises" before its
+    # round is posted (the error travels in the check: every rank raises, none waits, and the next call works).
+    _one_node_window(monkeypatch, compiled=True)
+    strategy = ms.MultiWorkerMirroredStrategy()
+    xs = [np.full(n // 4, comm.rank + 1.0, np.float32) for n in LIST_SIZES]
+    total = comm.size * (comm.size + 1) / 2
+    for _ in range(2):
+        run_all_reduce(strategy, "sum", xs)  # planned and filed: the next calls repeat it
+    plan = _list_plan(strategy, "sum", len(LIST_SIZES))
+    assert isinstance(plan.lane, CompiledScatter)
+    kernel = plan.lane
+    if comm.rank == 0:
+        def declining(src, dst):
+            if first_lane == "raises":
+                raise RuntimeError("the first step failed before its round")
+            return False
+
+        plan.lane = declining
+    if first_lane == "declines":
+        for k in range(3):
+            outs = run_all_reduce(strategy, "sum", [x + k for x in xs])
+            assert all(np.all(o == total + comm.size * k) for o in outs), k
+    else:
+        with pytest.raises(CollectiveMismatchError, match="the first step failed before its round"):
+            run_all_reduce(strategy, "sum", xs)
+    assert plan.folded.pending is False
+    plan.lane = kernel
+    assert all(np.all(o == total) for o in run_all_reduce(strategy, "sum", xs))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -425,6 +461,14 @@ def test_the_workers_calls_keep_off_the_step_kernel(comm, monkeypatch):
             communicator.allreduce(grads, "sum")  # planned, result blocks made: the next calls repeat it
         plan = communicator._planner.lists[("sum", None, 2)][1]
         callers = []
+        assert isinstance(plan.lane, CompiledScatter)  # the first step's, with the check's round
+        first = plan.lane
+
+        def recording_first(src, dst):
+            callers.append(threading.get_ident())
+            return first(src, dst)
+
+        plan.lane = recording_first
         for step in plan.steps:
             assert isinstance(step.lane, StepScatter)
             kernel = step.lane

@@ -21,7 +21,8 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
     """Reduce ``arrays`` step by step over two or more ranks; the results (``arrays`` when ``inplace``).
 
     The first step's transport gets the call's agreement ``hook``, or, where ``first_lane`` (the plan's
-    compiled lane, whose check is ``hook``) takes the call, that lane reduces the first step with the check;
+    compiled lane; only with ``hook`` that lane's own ``FoldedCheck``, pending) takes the call, that lane
+    reduces the first step with the check;
     later steps get :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then), and with
     ``compiled`` a step's compiled reduce-scatter (``Step.lane``) where it has one and can take the call.
     Results are new arrays from each step's pool (never overwritten by a later

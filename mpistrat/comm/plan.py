@@ -78,7 +78,7 @@ class Plan:
         self.key: tuple = ()
         self.h = 0
         self.repeat_mode = 0
-        # A FOLD plan whose first step is one host array: the FoldedCheck of its repeated calls
+        # A FOLD plan, not in place, whose first step is one host array: the FoldedCheck of its repeated calls
         # (communicator.allreduce_repeat, allreduce_repeat_list), what the first step's transport prepared
         # where it is a RepeatTransport, and the first step's compiled lane (agreement/lane.py) where one applies.
         self.folded: Any = None
