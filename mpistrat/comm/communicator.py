@@ -345,10 +345,9 @@ class RankCommunicator:
         if guard.broken is not None:  # before staging: peers may still read this rank's last data
             guard.require_usable()
         folded.pending = True
-        kernels = self._kernels_here()
         try:
-            results = run_steps(plan.steps, arrays, plan.op, False, folded, self._scratch, kernels,
-                                plan.lane if kernels else None)
+            results = run_steps(plan.steps, arrays, plan.op, False, folded, self._scratch, self._kernels_here(),
+                                plan.lane)
         except BaseException as exc:
             folded.fail(exc)
         if folded.pending:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -17,14 +17,15 @@ __all__ = ["run_steps"]
 
 
 def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: AgreementHook,
-              scratch: GrowableBuffers, compiled: bool = False, first_lane: Any = None) -> list:
+              scratch: GrowableBuffers, compiled: bool = False,
+              first_lane: Callable[[np.ndarray, np.ndarray], bool] | None = None) -> list:
     """Reduce ``arrays`` step by step over two or more ranks; the results (``arrays`` when ``inplace``).
 
-    The first step's transport gets the call's agreement ``hook``, or, where ``first_lane`` (the plan's
-    compiled lane; only with ``hook`` that lane's own ``FoldedCheck``, pending) takes the call, that lane
-    reduces the first step with the check;
-    later steps get :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then), and with
-    ``compiled`` a step's compiled reduce-scatter (``Step.lane``) where it has one and can take the call.
+    The first step's transport gets the call's agreement ``hook``; with ``compiled``, where ``first_lane``
+    (the plan's compiled lane, passed only with ``hook`` that lane's own ``FoldedCheck``, pending) takes the
+    call, that lane reduces the first step with the check instead. Later steps get
+    :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then), and with ``compiled``
+    a step's compiled reduce-scatter (``Step.lane``) where it has one and can take the call.
     Results are new arrays from each step's pool (never overwritten by a later
     call), or, in place, the input arrays themselves: a packed bucket is then reduced into
     ``scratch`` (host) or a new device array and copied into them, never via memory a transport

@@ -5,8 +5,8 @@ communicator's ``allreduce_repeat``; a repeated list's first array in ``allreduc
 Python, the copy into shared memory, the guard's shared-memory round, its verdict and the reduction: ten
 Python calls or more, each paying the cold-cache price after the data of the call before went through the
 caches. :class:`CompiledLane` makes ``shm-small``'s call one ``_lane.run`` (``_lane.c``),
-:class:`CompiledScatter` the ``shm`` window's reduce-scatter one ``_lane.scatter``; both keep the memory protocol of
-:class:`~mpistrat.comm.agreement.shm_allgather.ShmAllgather` and of the transport, so they meet ranks
+:class:`CompiledScatter` the ``shm`` window's reduce-scatter one ``_lane.scatter``; both keep the memory
+protocol of :class:`~mpistrat.comm.agreement.shm_allgather.ShmAllgather` and of the transport, so they meet ranks
 on the Python path in the same rounds. They combine data only after every rank posted this rank's
 fingerprint and ``aux`` with no deadline passed; every other outcome (a rank later than the spin and 1
 ms of yields, a mismatch, a deadline) goes back to the guard, which waits, judges and raises as always,
@@ -234,8 +234,8 @@ class CompiledLane(FoldedLane):
 
 
 class CompiledScatter(FoldedLane):
-    """``shm``'s reduce-scatter of one array (or a list's first; copy of the peers' slices into this rank's segment, the
-    published result block, the round, the sums and pushes of this rank's slice, the second
+    """``shm``'s reduce-scatter of one array, or of a list's first (copy of the peers' slices into this rank's
+    segment, the published result block, the round, the sums and pushes of this rank's slice, the second
     synchronisation, the copy out; chunk by chunk) in one ``_lane.scatter``, where nothing collective comes
     first (:meth:`ShmTransport.scatter_layout`)."""
 
