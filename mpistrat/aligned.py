@@ -34,10 +34,11 @@ def empty(shape: tuple[int, ...], dtype: np.dtype | type | str) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def copy(array: np.ndarray) -> np.ndarray:
-    """A C-ordered copy of ``array`` from :func:`empty`, sharing no memory with it."""
-    out = empty(array.shape, array.dtype)
-    np.copyto(out, array)
+def copy(array: np.ndarray, dtype: np.dtype | type | str | None = None) -> np.ndarray:
+    """A C-ordered copy of ``array`` from :func:`empty`, sharing no memory with it; with ``dtype``, converted
+    to it whatever the kinds, as ``np.array(array, dtype=dtype)`` converts."""
+    out = empty(array.shape, array.dtype if dtype is None else dtype)
+    np.copyto(out, array, casting="unsafe")
     return out
 
 

@@ -319,7 +319,7 @@ class RankCommunicator:
         except BaseException as exc:
             folded.fail(exc)
         if folded.pending:
-            folded.fail(RuntimeError(f"transport {type(step.transport).__name__} never called its agreement hook"))
+            folded.unstaged(step.transport)
         return dst
 
     def allreduce_repeat_list(self, arrays: list, op: str, divisor: int | None = None) -> list | None:
@@ -351,8 +351,7 @@ class RankCommunicator:
         except BaseException as exc:
             folded.fail(exc)
         if folded.pending:
-            folded.fail(RuntimeError(f"transport {type(plan.steps[0].transport).__name__} never called its "
-                                     "agreement hook"))
+            folded.unstaged(plan.steps[0].transport)
         return results
 
     def _deterministic(self, arrays: Sequence[Any], op: Any, options: CommunicationOptions | None, inplace: bool,

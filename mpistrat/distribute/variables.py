@@ -195,13 +195,6 @@ def _stored(array: Any) -> Any:
     return _frozen(aligned.ensure(array) if type(array) is np.ndarray else array)
 
 
-def _aligned_cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``np.array(array, dtype=dtype, copy=True, order="C")`` on a cache line (``mpistrat.aligned``)."""
-    out = aligned.empty(array.shape, dtype)
-    np.copyto(out, array, casting="unsafe")  # np.array's dtype= converts whatever the kinds
-    return out
-
-
 def _initial_array(initial_value: Any, dtype: Any, device: str) -> Any:
     if initial_value is None:
         raise ValueError("initial_value must be specified.")
@@ -402,7 +395,7 @@ class Variable(BaseVariable, metaclass=_VariableMeta):
             xp = dev.array_module(self._device) if on_gpu else np
             if method == "assign":  # TF has no strides; on the host, one copy straight onto a cache line
                 new = (xp.array(new, dtype=self.dtype, copy=True, order="C") if on_gpu
-                       else _aligned_cast(new, self.dtype))
+                       else aligned.copy(new, self.dtype))
                 if new.shape != self._array.shape:
                     raise ValueError(f"Cannot assign a value of shape {new.shape} to variable {self._name} "
                                      f"of shape {self._array.shape}")

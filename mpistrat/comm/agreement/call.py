@@ -209,6 +209,11 @@ class FoldedCheck(AgreementHook):
         self._aux = check_aux(pack_bytes, True)
         self.pending = False  # set by the caller before the transport, cleared by staged()
 
+    def unstaged(self, transport: Any) -> NoReturn:
+        """The transport returned still :attr:`pending` (it never called :meth:`staged`): a bug, raised on every
+        rank (:meth:`fail`)."""
+        self.fail(RuntimeError(f"transport {type(transport).__name__} never called its agreement hook"))
+
     def signature(self) -> tuple[CallKey, int, float, int]:
         """The plan's key, fingerprint, timeout and ``aux`` (staged first)."""
         return self._key, self._h, self._timeout, self._aux
