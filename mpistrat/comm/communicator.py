@@ -307,11 +307,12 @@ class RankCommunicator:
         prepared = plan.prepared
         folded.pending = True
         try:
-            dst = step.pool.get()[1][0]
+            views = step.pool.get()[1]
+            dst = views[0]
             src = a if a.flags.c_contiguous else np.ascontiguousarray(a)
             lane = plan.lane if self._kernels_here() else None
             if lane is not None and lane(src, dst):
-                return dst
+                return step.pool.results(views)[0]
             if prepared is not None:
                 step.transport.allreduce_prepared(prepared, src, dst, folded.staged)
             else:
@@ -320,7 +321,7 @@ class RankCommunicator:
             folded.fail(exc)
         if folded.pending:
             folded.unstaged(step.transport)
-        return dst
+        return step.pool.results(views)[0]
 
     def allreduce_repeat_list(self, arrays: list, op: str, divisor: int | None = None) -> list | None:
         """``allreduce(arrays, op, divisor=divisor)`` when ``arrays``, a list of NumPy arrays, repeats the latest

@@ -27,7 +27,7 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
     :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then), and with ``compiled``
     a step's compiled reduce-scatter (``Step.lane``) where it has one and can take the call.
     Results are new arrays from each step's pool (never overwritten by a later
-    call), or, in place, the input arrays themselves: a packed bucket is then reduced into
+    call; read-only where the node's ranks share them), or, in place, the input arrays themselves: a packed bucket is then reduced into
     ``scratch`` (host) or a new device array and copied into them, never via memory a transport
     owns, so no view of it outlives the call.
     """
@@ -48,11 +48,14 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
                 write_back = None if dst is a else a
             else:
                 src = a if a.flags.c_contiguous else step.xp.ascontiguousarray(a)
-                dst = results[b.members[0]] = step.pool.get()[1][0]
+                views = step.pool.get()[1]
+                dst = views[0]
                 lane = step.lane if hook is NO_AGREEMENT else first_lane
-                if compiled and lane is not None and lane(src, dst):
-                    hook = NO_AGREEMENT
-                    continue
+                if not (compiled and lane is not None and lane(src, dst)):
+                    transport.allreduce_array(src, dst, op, hook)
+                hook = NO_AGREEMENT
+                results[b.members[0]] = step.pool.results(views)[0]
+                continue
             transport.allreduce_array(src, dst, op, hook)
             hook = NO_AGREEMENT
             if write_back is not None:
@@ -71,6 +74,7 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
         block, views = step.pool.get()
         transport.allreduce_packed(b.count, b.dtype, op, hook, block)
         hook = NO_AGREEMENT
+        views = step.pool.results(views)
         if step.whole:  # the call's arrays in order: the pool's views, in a list of the caller's own
             results = list(views)
             continue

@@ -114,11 +114,13 @@ class ResultPool:
     made (kept for reuse up to ``max_entries``).
 
     ``shared``, a transport's ``result_blocks`` (:mod:`~mpistrat.comm.transport.shm.results`):
-    blocks the transport writes the result into directly; while one is free it is handed out
-    first. A bucket of several arrays keeps its views of each block (made once, as an entry's),
-    and a block is free while nothing but those views refers to it and nothing outside holds one;
-    those views pin the blocks for this pool, so another pool of the same size (a bucket of one
-    array or of several) gets private results, never a block this pool may hand out.
+    blocks of the node's ranks that the transport writes the result into directly. With every
+    private entry :meth:`get` gives, it offers the blocks nobody on this rank holds; where every rank
+    offered one, the call puts the result there, and :meth:`results` hands out that block's read-only
+    views instead of the entry's. A bucket of several arrays keeps its views of each block (made
+    once, as an entry's), and a block is free while nothing but those views refers to it and nothing
+    outside holds one; those views pin the blocks for this pool, so another pool of the same size (a
+    bucket of one array or of several) never offers a block this pool may hand out.
     """
 
     def __init__(self, bucket: Bucket, xp: Any = np, max_entries: int = 4, shared: Any = None) -> None:
@@ -131,32 +133,48 @@ class ResultPool:
         self._shared_views: list[list] = []  # per shared block, a bucket of several arrays' views of it
 
     def get(self) -> tuple[Any, list]:
-        """A ``(block, views)`` entry whose views nobody outside holds."""
+        """A ``(block, views)`` entry whose views nobody outside holds (private memory), offered to the
+        shared blocks with the free ones among them; after the call, :meth:`results` says which views
+        hold the result."""
         if self._result_blocks is not None:
             self._take_shared()
         getrefcount = sys.getrefcount  # counted in this frame, as at the entry's making below
-        if self._shared is not None:
-            if not self._shared_views:  # one array: a new view of the block each time
-                block = self._shared.acquire()
-                if block is not None:
-                    return block, [block.reshape(self.bucket.shapes[0])]
-            else:
-                for k in self._shared.free_slots(len(self.bucket.members)):
-                    views = self._shared_views[k]
-                    if max(map(getrefcount, views)) <= _POOLED_REFS:
-                        return self._shared.blocks[k], views
         for entry in self._entries:
             # Views a caller made of a result refer to the block, not the view.
             if max(map(getrefcount, entry[1])) <= _POOLED_REFS and getrefcount(entry[0]) <= entry[2]:
-                return entry[0], entry[1]
-        block = self.xp.empty(self.bucket.count, dtype=self.bucket.dtype)
-        views = self._views(block)
-        entry = [block, views, 0]
-        del block
-        entry[2] = getrefcount(entry[0])  # the block's references while only the pool holds it
-        if len(self._entries) < self.max_entries:
-            self._entries.append(entry)
+                break
+        else:
+            block = self.xp.empty(self.bucket.count, dtype=self.bucket.dtype)
+            entry = [block, self._views(block), 0]
+            del block
+            entry[2] = getrefcount(entry[0])  # the block's references while only the pool holds it
+            if len(self._entries) < self.max_entries:
+                self._entries.append(entry)
+        shared = self._shared
+        if shared is not None:
+            slots = 0
+            if not self._shared_views:  # one array: a new view of the block each time
+                for k in shared.free_slots():
+                    slots |= 1 << k
+            else:
+                for k in shared.free_slots(len(self.bucket.members)):
+                    if max(map(getrefcount, self._shared_views[k])) <= _POOLED_REFS:
+                        slots |= 1 << k
+            shared.offer(slots, entry[0])
         return entry[0], entry[1]
+
+    def results(self, views: list) -> list:
+        """The results of the call :meth:`get`'s entry (``views``) was offered with: the views of the shared
+        block the call put them in (read-only), or ``views``."""
+        shared = self._shared
+        if shared is None:
+            return views
+        slot = shared.chosen
+        if slot < 0:
+            return views
+        if not self._shared_views:
+            return [shared.blocks[slot].reshape(self.bucket.shapes[0])]
+        return self._shared_views[slot]
 
     def _take_shared(self) -> None:
         b = self.bucket

@@ -269,25 +269,30 @@ done:
  * (or an epoch, where the check was done before: table 0).
  *
  * scatter(table, mine, round, lines, h, aux, deadline, spins, src, dst, kind, segs, itemsize, chunk, direct,
- *         me, controls, blocks, slot, counters, words, epoch)
+ *         me, controls, blocks, offer, counters, words, epoch, decision)
  *   table ... spins: the check's round, as for run; table 0: none (a later step of a call whose check ran
  *             at its first): the first chunk's first synchronisation is an epoch, as every later chunk's
  *   src, dst: C-contiguous buffers of the call's bytes, not overlapping and aligned to their items
- *             (NotImplemented, nothing done, if not); dst private memory or this rank's result block ``slot``
+ *             (NotImplemented, nothing done, if not); dst private memory, the result unless the node's
+ *             ranks all offered a common result block
  *   segs:     bytes, uint64 address of every node rank's window segment (this bucket), local-rank order
  *   itemsize: the dtype's; chunk: bytes per chunk (0: one pass), a multiple of it and above ``direct``
  *   direct:   the largest chunk the window reduces with one synchronisation (the last may be one)
  *   me:       this rank's local rank
- *   controls: bytes, uint64 address of every rank's published result slot (empty: no result blocks);
- *   blocks:   bytes, uint64 address of every rank's SLOTS result blocks; slot: this rank's (-1: private)
+ *   controls: bytes, uint64 address of every rank's offer word (empty: no result blocks);
+ *   blocks:   bytes, uint64 address of the node's SLOTS result blocks (results.py); offer: the slots this
+ *             rank offers, a bit per slot (0 without blocks, and where the last chunk is a short one);
+ *   decision: address of this rank's int64 decision word (0 without blocks): the slot every rank offered
+ *             (the lowest), whose block the owners write their slices into, or -1 (private results)
  *   counters: address of the node synchronisation's int64 epoch counters; words: bytes, int64 item index
  *             of every rank's counter; epoch: the last epoch this rank posted
  * ShmTransport's reduce-scatter (allreduce.py: _allreduce_contiguous for each chunk) in one call. Per
  * chunk: the slices the peers sum copied into this rank's segment; the first synchronisation (the
- * check's round, this rank's result block published before it, for the first chunk; an epoch after);
- * this rank's slice summed in local-rank order (its own term read from src) block by block, each block
- * pushed into every peer's published result block (or its segment); the second synchronisation (an
- * epoch); with a private result, the peers' slices copied out of this rank's segment. A last chunk of at most
+ * check's round, this rank's offer published before it, for the first chunk; an epoch after);
+ * this rank's slice summed in local-rank order (its own term read from src) block by block, into the
+ * node's result block every rank offered, or into dst and then pushed into every peer's segment while in
+ * cache; the second synchronisation (an epoch); with private results, the peers' slices copied out of this
+ * rank's segment. A last chunk of at most
  * ``direct`` bytes is reduced as the window's one-synchronisation path does (_sum_all): copied in whole,
  * one epoch, every rank's segment summed (the caller then flips the window's bucket).
  * Returns True (done), None (the round posted, a peer late: nothing summed), False (the verdict is not the
@@ -296,7 +301,7 @@ done:
  * without a round, 0 is the first chunk's first).
  */
 #define SCATTER_BLOCK (64 << 10) /* bytes summed, then pushed while in cache */
-#define SLOTS 2                    /* result blocks per rank (results.py) */
+#define SLOTS 2                    /* result blocks per node and size (results.py) */
 #define SLICE_ALIGN 64             /* slice boundaries on cache lines (allreduce.py, _bounds) */
 
 /* Byte offset where rank i's slice of a chunk of ``count`` items starts: ShmTransport._bounds. */
@@ -318,8 +323,8 @@ static int post_epoch(volatile int64_t *counters, const int64_t *words, Py_ssize
 }
 
 static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 22) {
-        PyErr_SetString(PyExc_TypeError, "_lane.scatter takes 22 arguments");
+    if (nargs != 23) {
+        PyErr_SetString(PyExc_TypeError, "_lane.scatter takes 23 arguments");
         return NULL;
     }
     Round check;
@@ -329,9 +334,10 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
     long kind = PyLong_AsLong(args[10]);
     Py_ssize_t itemsize = PyLong_AsSsize_t(args[12]), chunk = PyLong_AsSsize_t(args[13]);
     Py_ssize_t direct = PyLong_AsSsize_t(args[14]), me = PyLong_AsSsize_t(args[15]);
-    long slot = PyLong_AsLong(args[18]);
+    int64_t offer = PyLong_AsLongLong(args[18]);
     volatile int64_t *counters = (volatile int64_t *)PyLong_AsVoidPtr(args[19]);
     int64_t epoch = PyLong_AsLongLong(args[21]);
+    volatile int64_t *decision = (volatile int64_t *)PyLong_AsVoidPtr(args[22]);
     if (PyErr_Occurred())
         return NULL;
     PyObject *const sb = args[11], *cb = args[16], *kb = args[17], *wb = args[20];
@@ -344,11 +350,12 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t n = check.n;
     Py_ssize_t ncontrols = PyBytes_GET_SIZE(cb) / 8;
     if (PyBytes_GET_SIZE(sb) / 8 != n || PyBytes_GET_SIZE(wb) / 8 != n || me < 0 || me >= n
-        || (ncontrols != 0 && (ncontrols != n || PyBytes_GET_SIZE(kb) / 8 != SLOTS * n)) || slot < -1
-        || slot >= SLOTS || (ncontrols == 0 && slot != -1) || itemsize <= 0 || chunk < 0 || chunk % itemsize
-        || (chunk && chunk <= direct)) {
-        PyErr_SetString(PyExc_ValueError, "_lane.scatter: lines, segs, controls, blocks and words name the same "
-                                          "ranks, me one of them, slot -1 or a block, chunk whole items above direct");
+        || (ncontrols != 0 && (ncontrols != n || PyBytes_GET_SIZE(kb) / 8 != SLOTS || decision == NULL))
+        || offer < 0 || offer >= (1 << SLOTS) || (ncontrols == 0 && offer != 0) || itemsize <= 0 || chunk < 0
+        || chunk % itemsize || (chunk && chunk <= direct)) {
+        PyErr_SetString(PyExc_ValueError, "_lane.scatter: lines, segs, controls and words name the same ranks, "
+                                          "me one of them, blocks SLOTS, offer a bit per block (0 without), a "
+                                          "decision word with blocks, chunk whole items above direct");
         return NULL;
     }
     const uint64_t *segs = (const uint64_t *)PyBytes_AS_STRING(sb);
@@ -372,6 +379,11 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     if (chunk == 0 || chunk > len)
         chunk = len;
+    if (offer && len % chunk && len % chunk <= direct) {
+        PyErr_SetString(PyExc_ValueError, "_lane.scatter: an array whose last chunk takes one synchronisation "
+                                          "offers no result block (every rank sums that chunk into its own)");
+        goto done;
+    }
     uintptr_t s0 = (uintptr_t)src.buf, d0 = (uintptr_t)dst.buf;
     /* The Python path where src and dst overlap (in place: it reads this rank's slice first) or src is not
      * aligned to its items (read as them here), and where a late code would not be one of CPython's cached
@@ -385,8 +397,7 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
     char *seg = (char *)(uintptr_t)segs[me], *out = (char *)dst.buf;
     const char *in = (const char *)src.buf;
     {
-        char *targets[n];       /* where each rank's result goes: its published block, or its segment */
-        Py_ssize_t shifts[n];   /* 1 where that is its block (indexed by the array's offset), else 0 */
+        char *shared = NULL; /* the node's result block every rank offered, else NULL: private results */
         const char *terms[n];
         for (Py_ssize_t c = 0, off = 0; off < len; c++, off += chunk) {
             Py_ssize_t clen = len - off < chunk ? len - off : chunk;
@@ -406,7 +417,7 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
             memcpy(seg, in + off, (size_t)lo); /* the slices the peers sum; this rank's own is read from src */
             memcpy(seg + hi, in + off + hi, (size_t)(clen - hi));
             if (c == 0 && ncontrols)
-                *(volatile int64_t *)(uintptr_t)controls[me] = slot; /* published before the first synchronisation */
+                *(volatile int64_t *)(uintptr_t)controls[me] = offer; /* published before the first synchronisation */
             if (c == 0 && check.table != NULL) {
                 int common = 0;
                 if (!post_round(&check, &common)) {
@@ -423,27 +434,33 @@ static PyObject *lane_scatter(PyObject *self, PyObject *const *args, Py_ssize_t 
                 result = PyLong_FromSsize_t(2 * c);
                 goto done;
             }
-            if (c == 0) {
-                for (Py_ssize_t r = 0; r < n; r++) {
-                    int64_t k = ncontrols ? *(volatile int64_t *)(uintptr_t)controls[r] : -1;
-                    shifts[r] = 0 <= k && k < SLOTS;
-                    targets[r] = (char *)(uintptr_t)(shifts[r] ? blocks[r * SLOTS + k] : segs[r]);
-                }
+            if (c == 0 && ncontrols) { /* every rank's offer, read after it: the same decision on every rank */
+                int64_t common = (1 << SLOTS) - 1;
+                for (Py_ssize_t r = 0; r < n; r++)
+                    common &= *(volatile int64_t *)(uintptr_t)controls[r];
+                int k = common ? __builtin_ctzll((unsigned long long)common) : -1;
+                *decision = k;
+                if (k >= 0)
+                    shared = (char *)(uintptr_t)blocks[k];
             }
             for (Py_ssize_t at = lo; at < hi; at += SCATTER_BLOCK) {
                 Py_ssize_t size = hi - at < SCATTER_BLOCK ? hi - at : SCATTER_BLOCK;
                 for (Py_ssize_t j = 0; j < n; j++)
                     terms[j] = j == me ? in + off + at : (const char *)(uintptr_t)segs[j] + at;
+                if (shared != NULL) { /* the node's result: written once, pushed nowhere */
+                    reduce((int)kind, shared + off + at, terms, n, size);
+                    continue;
+                }
                 reduce((int)kind, out + off + at, terms, n, size);
                 for (Py_ssize_t r = 0; r < n; r++) /* push, don't pull (allreduce.py): while the block is in cache */
                     if (r != me)
-                        memcpy(targets[r] + (shifts[r] ? off : 0) + at, out + off + at, (size_t)size);
+                        memcpy((char *)(uintptr_t)segs[r] + at, out + off + at, (size_t)size);
             }
             if (!post_epoch(counters, words, n, me, ++epoch, spins)) {
                 result = PyLong_FromSsize_t(2 * c + 1);
                 goto done;
             }
-            if (slot < 0) {
+            if (shared == NULL) {
                 memcpy(out + off, seg, (size_t)lo);
                 memcpy(out + off + hi, seg + hi, (size_t)(clen - hi));
             }

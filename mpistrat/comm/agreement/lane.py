@@ -235,9 +235,9 @@ class CompiledLane(FoldedLane):
 
 class CompiledScatter(FoldedLane):
     """``shm``'s reduce-scatter of one array, or of a list's first (copy of the peers' slices into this rank's
-    segment, the published result block, the round, the sums and pushes of this rank's slice, the second
-    synchronisation, the copy out; chunk by chunk) in one ``_lane.scatter``, where nothing collective comes
-    first (:meth:`ShmTransport.scatter_layout`)."""
+    segment, the result blocks offered, the round, the sums of this rank's slice into the node's result block or
+    with pushes, the second synchronisation, the copy out of a private result; chunk by chunk) in one
+    ``_lane.scatter``, where nothing collective comes first (:meth:`ShmTransport.scatter_layout`)."""
 
     __slots__ = ("_op",)
 
@@ -251,14 +251,12 @@ class CompiledScatter(FoldedLane):
         layout = transport.scatter_layout(dst.size, dst.dtype)
         if layout is None:
             return None
-        shared = layout.shared
-        slot = -1 if shared is None else shared.announce(dst)
-        return layout, slot
+        return layout, _offer(layout, dst)
 
     def _post(self, ready: Any, round_: int, mine: int, deadline: int, src: np.ndarray, dst: np.ndarray) -> Any:
-        layout, slot = ready
+        layout, offer = ready
         check = (self._table, mine, round_, self._lines[round_ & 1], self._h, self._aux, deadline)
-        return _scatter(self._transport, layout, slot, check, self._guard._spins, src, dst, self._kind)
+        return _scatter(self._transport, layout, offer, check, self._guard._spins, src, dst, self._kind)
 
     def _after(self, ready: Any, out: Any, src: np.ndarray, dst: np.ndarray) -> None:
         _scattered(self._transport, ready[0], out, src, dst, self._op, 0)
@@ -270,13 +268,20 @@ class CompiledScatter(FoldedLane):
         _scatter_failed(ready[0])
 
 
-def _scatter(transport: ShmTransport, layout: ScatterLayout, slot: int, check: tuple, spins: int, src: np.ndarray,
+def _offer(layout: ScatterLayout, dst: np.ndarray) -> int:
+    """The node's result blocks this rank offers for a call into ``dst`` (the pool's offer; 0 without blocks, or
+    where the array ends in a one-synchronisation chunk, as ``ShmTransport.allreduce_array`` decides)."""
+    shared = layout.shared
+    return 0 if shared is None else shared.take_offer(dst, not layout.tail_one_sync)
+
+
+def _scatter(transport: ShmTransport, layout: ScatterLayout, offer: int, check: tuple, spins: int, src: np.ndarray,
              dst: np.ndarray, kind: int) -> Any:
     """``_lane.scatter`` of ``layout`` with the check's round (``check``: its table, mine, round, lines, h, aux
     and deadline) or without (``_no_round``)."""
     return _lane.scatter(*check, spins, src, dst, kind, layout.segments[transport._bucket], layout.itemsize,
-                         layout.chunk, layout.direct, layout.me, layout.controls, layout.blocks, slot, layout.counters,
-                         layout.words, layout.sync.epoch)
+                         layout.chunk, layout.direct, layout.me, layout.controls, layout.blocks, offer, layout.counters,
+                         layout.words, layout.sync.epoch, layout.decision)
 
 
 def _no_round(layout: ScatterLayout) -> tuple:
@@ -330,9 +335,9 @@ class StepScatter:
         layout = transport.scatter_layout(dst.size, dst.dtype)
         if layout is None:
             return False
-        slot = -1 if layout.shared is None else layout.shared.announce(dst)
+        offer = _offer(layout, dst)
         try:
-            out = _scatter(transport, layout, slot, _no_round(layout), self._spins, src, dst, self._kind)
+            out = _scatter(transport, layout, offer, _no_round(layout), self._spins, src, dst, self._kind)
             if out is NotImplemented:
                 return False
             _scattered(transport, layout, out, src, dst, self._op, 1)

@@ -58,20 +58,26 @@ NO_AGREEMENT: AgreementHook = _AlreadyAgreed()
 
 
 class ResultBlockSet(abc.ABC):
-    """Result arrays of one size in memory the transport writes into directly."""
+    """Result arrays of one size in memory the transport writes into directly, shared by the ranks that
+    receive the same result (read-only: a write would reach the other ranks' results)."""
 
-    #: This rank's blocks (1-D arrays), in slot order.
+    #: The blocks (1-D read-only arrays), in slot order.
     blocks: list
 
     @abc.abstractmethod
     def free_slots(self, own_refs: int = 0) -> list[int]:
-        """The slots of this rank's blocks that nothing outside refers to beyond ``own_refs`` references
+        """The slots of the blocks that nothing on this rank refers to beyond ``own_refs`` references
         each (the caller's own views of every block, kept across calls), in slot order."""
 
-    def acquire(self) -> Any:
-        """A free block (a 1-D array nothing outside holds), or None."""
-        slots = self.free_slots()
-        return self.blocks[slots[0]] if slots else None
+    @abc.abstractmethod
+    def offer(self, slots: int, private: Any) -> None:
+        """Offer ``slots`` (a bit per slot nobody on this rank holds) for the next call, whose result is
+        ``private`` (a 1-D array) unless every rank offered a common slot."""
+
+    @property
+    @abc.abstractmethod
+    def chosen(self) -> int:
+        """The slot this rank's last call put its result in, or -1: it went into the private array offered."""
 
 
 class ResultBlockSource(abc.ABC):

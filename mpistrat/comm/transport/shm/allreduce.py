@@ -32,7 +32,7 @@ from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport,
 from mpistrat.comm.transport.buffers import GrowableBuffers
 from mpistrat.comm.transport.shm import calibration
 from mpistrat.comm.transport.shm.plan import ReducePlan, ScatterLayout, make_plan
-from mpistrat.comm.transport.shm.results import PRIVATE, SLOTS, ResultBlocks, SharedResults
+from mpistrat.comm.transport.shm.results import SLOTS, ResultBlocks, SharedResults
 from mpistrat.comm.transport.shm.settings import agree_settings, read_settings
 
 __all__ = [
@@ -136,8 +136,8 @@ class ShmTransport(Transport):
 
     :meth:`allreduce_array` reduces one contiguous array without caller-side packing,
     chunk by chunk above ``chunk_bytes`` so each chunk stays in cache, and writes
-    results straight into shared result blocks (``result_blocks``,
-    :mod:`~mpistrat.comm.transport.shm.results`) where the caller took one. The window
+    results straight into the node's shared result blocks (``result_blocks``,
+    :mod:`~mpistrat.comm.transport.shm.results`) where every rank offered one. The window
     grows collectively (to the next power of two, at most ``max_bytes`` per bucket)
     inside ``pack_buffer``; larger buckets are not enabled.
 
@@ -293,9 +293,10 @@ class ShmTransport(Transport):
 
         Up to ``direct_max_bytes``: one synchronisation, then each rank sums every segment into
         the result. Otherwise the reduce-scatter (class docstring), whose result is this rank's own
-        segment (copied into ``out`` when given), or ``out`` itself where it is one of this size's
-        shared result blocks (``result_blocks``: the owners write into it). The path depends only on
-        the size, which every rank agreed on, never on ``out``, which ranks may choose differently.
+        segment (copied into ``out`` when given), or, where every rank offered one with its ``out``, one
+        of this size's shared result blocks (``result_blocks``: the owners write into it; its
+        ``chosen`` says which, and ``out`` is left alone). The path depends only on the size, which every
+        rank agreed on, never on ``out`` or the offers, which ranks may choose differently.
         """
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
         if count * dtype.itemsize <= self.direct_max_bytes:
@@ -307,8 +308,8 @@ class ShmTransport(Transport):
             hook.staged(first=False)
             hook = NO_AGREEMENT
         shared = self.result_blocks.make(count, dtype)  # collective only where it makes them
-        if shared is not None:  # before the first synchronisation: every rank's choice, every call
-            shared.publish(PRIVATE if out is None else shared.slot_of(out))
+        if shared is not None:  # before the first synchronisation: every rank's offer, every call
+            shared.publish(0 if out is None else shared.take_offer(out))
         try:
             synced = self._staged(hook)
             reduced = self._reduce_scatter(count, dtype, ufunc, op, synced=synced, shared=shared,
@@ -321,9 +322,9 @@ class ShmTransport(Transport):
             return reduced
         if shared is None:
             self._copy_others(reduced, out, count, dtype.itemsize)
-        elif shared.published == PRIVATE:
+        elif shared.chosen < 0:
             np.copyto(out, reduced)
-        return out  # else the owners wrote the result into out
+        return out  # else the owners wrote the result into the shared block chosen
 
     def _sum_all(self, count: int, dtype: np.dtype, ufunc: np.ufunc, out: np.ndarray, synced: bool) -> None:
         """The one-synchronisation reduce: every rank sums every segment into ``out``."""
@@ -353,8 +354,9 @@ class ShmTransport(Transport):
         """Steps 1-4 of the class docstring; the result, a view of this rank's segment. ``own``: this
         rank's data in private memory, read for its own slice instead of its segment (which then need
         not hold it). ``synced``: step 1's synchronisation already happened (the agreement check stood
-        for it). ``shared`` (on one node): the ranks' published result blocks, written from
-        item ``offset`` instead of the window segments of the ranks that published one. ``into`` (private
+        for it). ``shared`` (on one node): the node's result blocks; where every rank offered one
+        (:meth:`SharedResults.decide`), the owners write their slices into it from item ``offset``, and
+        push nothing. ``into`` (private
         memory, on one node, without ``shared``): this rank's slice of the result is summed straight into
         it instead of the segment (whose slice then holds nothing: :meth:`_copy_others` copies the rest),
         so the slice is written once instead of written, read and written again."""
@@ -370,22 +372,14 @@ class ShmTransport(Transport):
             sync.wait()
         lr = self._local_rank()
         copyto = np.copyto
-        results = shared.targets() if shared is not None else None
-        if results is not None:
-            mine = results.pop(lr)
+        result = shared.decide() if shared is not None else None
+        if result is not None or not self._pushes:  # one node: see _copy_others
             into = None
-        elif into is not None and self._pushes:  # one node: see _copy_others
-            mine = None
-        else:
-            mine = into = None
         for srcs, dst, back, targets, start, end in plan.blocks:
             if own is not None:
                 srcs = srcs[:lr] + (own[start:end],) + srcs[lr + 1 :]
-            if results is not None:  # own is not mine (published PRIVATE in place): none read and written
-                s, e = offset + start, offset + end
-                if mine is not None:
-                    dst, back = mine[s:e], None
-                targets = tuple(t if r is None else r[s:e] for r, t in zip(results, targets))
+            if result is not None:  # the node's result: written once, pushed nowhere
+                dst, back, targets = result[offset + start : offset + end], None, ()
             elif into is not None:
                 if back is None:
                     dst = into[start:end]
@@ -414,7 +408,8 @@ class ShmTransport(Transport):
         Up to ``direct_max_bytes``: copied into this rank's segment, then every rank sums every
         segment. Above: the reduce-scatter, with only the slices the other ranks sum copied into
         the segment (this rank's own slice is read from ``src``), then the result copied into
-        ``dst`` (unless ``dst`` is a shared result block: see ``result_blocks``). With
+        ``dst``, or written by the owners into the node's result block every rank offered with its ``dst``
+        (``result_blocks``; ``dst`` is then left alone). With
         ``chunk_bytes`` set, longer arrays go chunk by chunk, so each chunk stays in cache between
         its passes, at two synchronisations per chunk. The hook is told once this rank's (first
         chunk's) data is in its segment, or before staging when the window must grow or chunks be
@@ -434,10 +429,12 @@ class ShmTransport(Transport):
             hook.staged(first=False)
             hook = NO_AGREEMENT
         shared = self.result_blocks.make(count, dtype)
-        if shared is not None:  # in place, dst may be a held block: PRIVATE (sums would clobber the source)
-            shared.publish(shared.slot_of(dst) if src is not MPI.IN_PLACE else PRIVATE)
+        chunk = self._chunk_items(count, dtype)
+        if shared is not None:  # in place: dst is the source, never a shared result
+            usable = src is not MPI.IN_PLACE and not self._one_sync_tail(count, dtype, chunk)
+            shared.publish(shared.take_offer(dst, usable))
         try:
-            self.reduce_in_chunks(source, out, op, self._chunk_items(count, dtype), hook, shared)
+            self.reduce_in_chunks(source, out, op, chunk, hook, shared)
         except BaseException:
             if shared is not None:
                 shared.retire()  # a late owner may still write into it: never hand it out again
@@ -478,7 +475,7 @@ class ShmTransport(Transport):
         shared = layout.shared
         start, end = chunk * step, min(chunk * step + step, count)
         if pushed:
-            if shared is None or shared.published == PRIVATE:  # this rank's slice is in out already
+            if shared is None or shared.chosen < 0:  # this rank's slice is in out already
                 segment = self._typed(self._bucket, dtype)[self._local_rank()]
                 self._copy_others(segment[: end - start], out[start:end], end - start, dtype.itemsize)
         else:
@@ -510,8 +507,8 @@ class ShmTransport(Transport):
         shared: SharedResults | None = None,
     ) -> None:
         """``out = reduce(source)`` of 1-D arrays, ``chunk`` items at a time (0: in one pass; collective).
-        ``hook``: told once the first chunk is staged. ``shared``: the result blocks every rank
-        published for this call (``out`` is this rank's, or private if it published PRIVATE)."""
+        ``hook``: told once the first chunk is staged. ``shared``: the node's result blocks, offered for this
+        call (``out`` then stays as it was where the call decides on one of them)."""
         if 0 < chunk < out.shape[0]:  # the same count and dtype on every rank: the same chunks
             for start in range(0, out.shape[0], chunk):
                 end = start + chunk
@@ -545,6 +542,13 @@ class ShmTransport(Transport):
             self._set_chunk_bytes(chunk_bytes)
         return self.chunk_bytes // dtype.itemsize
 
+    def _one_sync_tail(self, count: int, dtype: np.dtype, chunk: int) -> bool:
+        """Whether an array of ``count`` items in chunks of ``chunk`` (0: one pass) ends in a short chunk that
+        the window reduces with one synchronisation, every rank summing it into its own result: such an array
+        takes no shared result (a rule on sizes: every rank decides the same)."""
+        last = count % chunk if 0 < chunk < count else 0
+        return 0 < last and last * dtype.itemsize <= self.direct_max_bytes
+
     def _allreduce_contiguous(
         self, source: np.ndarray, out: np.ndarray, op: str, hook: AgreementHook = NO_AGREEMENT,
         shared: SharedResults | None = None, offset: int = 0,
@@ -570,15 +574,13 @@ class ShmTransport(Transport):
         """The rest of :meth:`_allreduce_contiguous` once the chunk is staged (``synced``: the check stood
         for the first synchronisation): the reduce-scatter and, for a private result, the copy out."""
         count, dtype = out.shape[0], out.dtype
-        private = shared is None or shared.published == PRIVATE
         reduced = self._reduce_scatter(count, dtype, ufunc, op, source, synced, shared, offset,
                                        into=out if shared is None else None)
-        if not private:
-            return  # the owners wrote the result into out
         if shared is None:
             self._copy_others(reduced, out, count, dtype.itemsize)
-        else:
+        elif shared.chosen < 0:
             np.copyto(out, reduced)
+        # else the owners wrote the result into the node's block
 
     def _staged(self, hook: AgreementHook) -> bool:
         """Tell ``hook`` this rank's data is in its segment; whether the agreement check synchronised

@@ -69,11 +69,12 @@ def make_plan(
 
 class ScatterLayout:
     """What the compiled reduce-scatter (``_lane.scatter``) of one array size reads: every rank's window
-    segment per bucket, this rank's local rank, the chunks, the result blocks' control words and blocks
-    (``shared``'s; empty without), the node synchronisation's epoch counters (``sync``)."""
+    segment per bucket, this rank's local rank, the chunks, the node's result blocks, every rank's offer
+    word and this rank's decision word (``shared``'s; empty and 0 without), the node synchronisation's epoch
+    counters (``sync``)."""
 
     __slots__ = ("segments", "me", "itemsize", "chunk", "chunk_items", "direct", "tail_one_sync", "epochs", "shared",
-                 "controls", "blocks", "sync", "counters", "words")
+                 "controls", "blocks", "decision", "sync", "counters", "words")
 
     def __init__(self, segments: tuple[bytes, bytes], me: int, count: int, itemsize: int, chunk_items: int,
                  direct: int, shared: Any, sync: Any) -> None:
@@ -89,6 +90,6 @@ class ScatterLayout:
         # The node synchronisations besides the check's: two per chunk, one fewer for the first and a short last.
         self.epochs = 2 * chunks - 1 - self.tail_one_sync
         self.shared = shared
-        self.controls, self.blocks = shared.addresses() if shared is not None else (b"", b"")
+        self.controls, self.blocks, self.decision = shared.addresses() if shared is not None else (b"", b"", 0)
         self.sync = sync
         self.counters, self.words = sync.layout()

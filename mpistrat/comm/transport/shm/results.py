@@ -1,7 +1,11 @@
-"""Result arrays in node shared memory, so that slice owners write the result straight into them.
+"""Result arrays in node shared memory, one per node, so that slice owners write the result straight into it.
 
 Without them, the shared-memory transport's reduce-scatter leaves every rank's result in its own
 window segment, and the rank copies it out: one more read and write of the whole array per call.
+With per-rank result blocks, each owner still pushes its reduced slice into every peer's block.
+Here the node's ranks share each result: every owner writes its slice once, and every rank's
+result is a read-only view of that one block (TensorFlow's results are immutable tensors; an
+in-place write raises instead of reaching the other ranks' results).
 """
 
 from __future__ import annotations
@@ -15,16 +19,21 @@ from mpi4py import MPI
 from mpistrat.comm.runtime.shm_window import PAGE_SIZE, SharedWindow, addresses
 from mpistrat.comm.transport.base import ResultBlockSet, ResultBlockSource
 
-__all__ = ["MAX_BYTES", "PRIVATE", "SLOTS", "ResultBlocks", "SharedResults"]
+__all__ = ["ALL_SLOTS", "MAX_BYTES", "SLOTS", "ResultBlocks", "SharedResults"]
 
-SLOTS = 2  # result blocks per rank and size: a step's result, and the previous one still held
-PRIVATE = -1  # published when this call's result is a private array (copied out of the segment)
-_CONTROL_BYTES = 64  # one cache line per rank: the published slot
+SLOTS = 2  # result blocks per node and size: a step's result, and the previous one still held
+ALL_SLOTS = (1 << SLOTS) - 1  # an offer of every slot (a bit per slot)
+_CONTROL_BYTES = 64  # one cache line per rank: the slots it offers
 _SIZES_MAX = 16  # sizes (count, dtype) given shared blocks, per transport
 # Largest array given shared blocks: shared memory has 4 KiB pages (no transparent huge pages for
 # shmem) while NumPy's large private arrays get huge pages, so above this, writing into every rank's
 # block costs more page walks than the saved copy (benchmarks/README.md, "shared result blocks").
 MAX_BYTES = 16 << 20
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 def _references(blocks: list[np.ndarray]) -> list[int]:
@@ -33,93 +42,116 @@ def _references(blocks: list[np.ndarray]) -> list[int]:
 
 
 class SharedResults(ResultBlockSet):
-    """:data:`SLOTS` shared result blocks of ``count`` items of ``dtype`` per node rank (collective
-    over ``node_comm``: every rank passes the same ``count`` and ``dtype``).
+    """:data:`SLOTS` result blocks of ``count`` items of ``dtype`` that the ranks of a node share
+    (collective over ``node_comm``: every rank passes the same ``count`` and ``dtype``).
 
-    One per array size and dtype: a shared window whose segment on each node rank holds a control
-    line and the rank's :data:`SLOTS` result blocks. Each rank picks one of its blocks per call (the
-    communicator's result pool hands out a block nobody holds, or a private array when the caller
-    holds all of them) and publishes its choice in its control line before the call's first node
-    synchronisation; owners read every rank's choice after it and write their reduced slice into
-    that block, or into the rank's window segment when it published :data:`PRIVATE` (that rank
-    then copies its result out of its segment). When the result array is one of these blocks,
-    nothing is copied out.
+    One per array size and dtype: a shared window whose first segment holds the node's blocks, and
+    whose segment on each node rank holds a control line: the slots that rank offers for a call, a
+    bit per slot, the blocks nobody on that rank holds (the result pool's :meth:`offer`, taken by
+    the transport with :meth:`take_offer` and published before the call's first node
+    synchronisation). After it, every rank reads every offer (:meth:`decide`): the lowest slot every
+    rank offered is the call's result, which the owners write their slices into; where there is
+    none, every result is private (the owners push into the window segments, and each rank copies
+    its result out). Every rank reads the same offers, so every rank decides the same. ``chosen``
+    says what this rank's last call decided (-1: private), for the pool to hand out.
 
     Lifetime: a block handed to a caller keeps its window's memory mapped
     (``SharedWindow.free`` keeps a window whose views are alive until exit), so
-    results stay valid after the strategy is gone. Each block is a separate
+    results stay valid after the strategy is gone. Each block is a separate, read-only
     array over its own memory view, so views a caller makes of a result refer to
-    that block: the pool sees which blocks are held.
+    that block: the pool sees which blocks this rank holds, and a block is written only when no
+    rank of the node holds it.
     """
 
     def __init__(self, node_comm: MPI.Comm, count: int, dtype: np.dtype) -> None:
         self.count = count
         self.dtype = dtype = np.dtype(dtype)
         block_bytes = -(-count * dtype.itemsize // PAGE_SIZE) * PAGE_SIZE
+        blocks_bytes = SLOTS * block_bytes if node_comm.Get_rank() == 0 else 0
         # Not prefaulted: a block's pages are backed when first written, so unused slots cost nothing.
-        self.window = SharedWindow(node_comm, PAGE_SIZE + SLOTS * block_bytes, prefault=False)
+        self.window = SharedWindow(node_comm, PAGE_SIZE + blocks_bytes, prefault=False)
         self.rank = self.window.rank
         size = self.window.size
         self._controls = [self.window.view(r, np.int64, 0, _CONTROL_BYTES // 8) for r in range(size)]
         self._control = self._controls[self.rank]
-        self._control[0] = PRIVATE
-        self.published = PRIVATE  # this rank's last published slot
+        self._control[0] = 0
+        self.published = 0  # the slots this rank offered for its last call
+        self._offer: tuple[int, object] = (0, None)  # the pool's offer and the private result it came with
+        self._decision = np.full(1, -1, np.int64)  # the last call's slot (-1: private), written by decide or a kernel
         offsets = [PAGE_SIZE + k * block_bytes for k in range(SLOTS)]
-        # Every rank's blocks as this process maps them (where owners write) ...
-        self._blocks = [[self.window.view(r, dtype, o, count) for o in offsets] for r in range(size)]
-        # ... and this rank's own, each over its own memory view (what the result pool hands out).
-        own = memoryview(self.window.segment(self.rank))
+        # The node's blocks as this process maps them (where owners write) ...
+        self._blocks = [self.window.view(0, dtype, o, count) for o in offsets]
+        # ... and again, each read-only over its own memory view (what the result pool hands out).
+        node = memoryview(self.window.segment(0))
         nbytes = count * dtype.itemsize
-        self.blocks = [np.frombuffer(own[o : o + nbytes], dtype=dtype) for o in offsets]
+        self.blocks = [_read_only(np.frombuffer(node[o : o + nbytes], dtype=dtype)) for o in offsets]
         self._free_refs = _references(self.blocks)  # while nothing else refers to them
         self._retired: list[np.ndarray] = []  # blocks of failed calls, pinned for good
         self.window.sync()
 
     def free_slots(self, own_refs: int = 0) -> list[int]:
-        """The slots of this rank's blocks that nothing outside refers to (no result or view of one is
+        """The slots of the node's blocks that nothing on this rank refers to (no result or view of one is
         alive) beyond ``own_refs`` references each (a fused bucket's result views, kept by its pool)."""
         return [k for k, (refs, free) in enumerate(zip(_references(self.blocks), self._free_refs))
                 if refs <= free + own_refs]
 
-    def slot_of(self, out: np.ndarray) -> int:
-        """Which of this rank's blocks ``out`` is (a view of it, as handed out), or :data:`PRIVATE`."""
-        base = out.base
+    def slot_of(self, result: np.ndarray) -> int:
+        """Which of the node's blocks ``result`` is (a view of it, as handed out), or -1."""
+        base = result.base
         for k, block in enumerate(self.blocks):
-            if base is block or out is block:
+            if base is block or result is block:
                 return k
-        return PRIVATE
+        return -1
 
-    def publish(self, slot: int) -> None:
-        """Announce this call's result block (before the call's first node synchronisation)."""
-        self._control[0] = self.published = slot
+    def offer(self, slots: int, private: object) -> None:
+        """Offer ``slots`` (a bit per slot nobody on this rank holds) for the call whose private result
+        would be ``private``; the call's transport takes the offer (:meth:`take_offer`)."""
+        self._offer = (slots, private)
+        self._decision[0] = -1
+
+    def take_offer(self, out: np.ndarray, usable: bool = True) -> int:
+        """The slots offered with ``out`` (the private result, or a view of it; 0 for any other array, or
+        where the call cannot take a shared result: not ``usable``), the offer withdrawn; what the transport
+        publishes for the call."""
+        slots, private = self._offer
+        self._offer = (0, None)
+        self._decision[0] = -1
+        if not usable or not (out is private or out.base is private):
+            slots = 0
+        self.published = slots
+        return slots
+
+    def publish(self, slots: int) -> None:
+        """Announce this rank's offer (before the call's first node synchronisation)."""
+        self._control[0] = self.published = slots
+        self._decision[0] = -1
         self.window.sync()
 
-    def announce(self, out: np.ndarray) -> int:
-        """:meth:`publish` of ``out``'s slot (:meth:`slot_of`) by a compiled kernel (``_lane.scatter``), which
-        stores it into this rank's control word (:meth:`addresses`) before the call's first synchronisation;
-        the slot."""
-        self.published = slot = self.slot_of(out)
-        return slot
+    def decide(self) -> np.ndarray | None:
+        """The node's block every rank offered (the lowest such slot), as the owners write it, or None:
+        private results. Read after the call's first synchronisation, the same on every rank."""
+        self.window.sync()
+        common = ALL_SLOTS
+        for control in self._controls:
+            common &= int(control[0])
+        slot = (common & -common).bit_length() - 1
+        self._decision[0] = slot
+        return self._blocks[slot] if slot >= 0 else None
 
-    def addresses(self) -> tuple[bytes, bytes]:
-        """For a compiled kernel: every rank's control word and every rank's :data:`SLOTS` blocks, as native
-        uint64 addresses in rank order (blocks rank by rank)."""
-        return addresses(self._controls), addresses(b for row in self._blocks for b in row)
+    @property
+    def chosen(self) -> int:
+        """The slot this rank's last call decided on (-1: a private result)."""
+        return int(self._decision[0])
+
+    def addresses(self) -> tuple[bytes, bytes, int]:
+        """For a compiled kernel (``_lane.scatter``): every rank's control word, and the node's :data:`SLOTS`
+        blocks, as native uint64 addresses in rank and slot order; the address of this rank's decision word."""
+        return addresses(self._controls), addresses(self._blocks), self._decision.__array_interface__["data"][0]
 
     def retire(self) -> None:
-        """Never hand out the published block again (its call failed: owners may still write)."""
-        if 0 <= self.published < SLOTS:
-            self._retired.append(self.blocks[self.published])
-
-    def targets(self) -> list[np.ndarray | None]:
-        """Every rank's published result block (None: :data:`PRIVATE`), read after the first
-        synchronisation of the call."""
-        self.window.sync()
-        out: list[np.ndarray | None] = []
-        for control, blocks in zip(self._controls, self._blocks):
-            slot = int(control[0])
-            out.append(blocks[slot] if 0 <= slot < SLOTS else None)
-        return out
+        """Never offer the published slots again (their call failed: a late owner may still write into the
+        one decided on)."""
+        self._retired.extend(self.blocks[k] for k in range(SLOTS) if self.published >> k & 1)
 
     def free(self) -> None:
         """Free the window (collective); memory still held by results stays mapped until exit."""
