@@ -93,7 +93,7 @@ def test_results_go_into_shared_blocks_and_match_mpi(comm, rc, dtype, op):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("count", COUNTS)
-def test_ranks_holding_different_results_mix_shared_and_private_blocks(comm, rc, count):
+def test_ranks_holding_different_results_take_a_block_all_offered_or_private_results(comm, rc, count):
     """Rank r keeps the results of some calls (more than SLOTS on some ranks), so the ranks offer
     different blocks, or none; every call decides the same on every rank, and every result stays what it was."""
     shm = _shm(rc)
@@ -158,6 +158,28 @@ def test_a_call_takes_the_block_every_rank_offered_or_private_results_on_every_r
         np.testing.assert_array_equal(d, wants[4])
         np.testing.assert_array_equal(c, wants[3])
         del c, d
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_source_the_kernel_declines_still_gets_a_shared_result(comm, monkeypatch):
+    """A source not aligned to its items: the compiled reduce-scatter declines it before posting anything, and the
+    Python path that takes the call gets the same offer, so the result still goes into the node's block."""
+    monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "0")
+    monkeypatch.setenv("MPISTRAT_COMPILED_LANE", "1")
+    monkeypatch.delenv("MPISTRAT_PRETEND_NODES", raising=False)
+    count = COUNTS[0]
+    raw = np.empty(count * 4 + 1, np.uint8)
+    x = np.frombuffer(raw.data, np.float32, count, offset=1)  # C-contiguous, one byte off its items
+    assert not x.flags.aligned
+    with RankCommunicator(comm) as rc:
+        shm = _shm(rc)
+        for salt in range(3):
+            x[...] = _data(count, "float32", comm.rank, salt)
+            (out,) = rc.allreduce([x], "sum")
+            np.testing.assert_array_equal(out, _reference(comm, x.copy(), "sum"))
+            assert _slot(out, shm) == (-1 if salt == 0 else 0)
+            del out
 
 
 @pytest.mark.mpi(min_size=2)
@@ -265,7 +287,7 @@ def test_sizes_beyond_the_budget_get_private_results(comm, monkeypatch):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_no_shared_blocks_across_nodes_in_fused_buckets_or_above_the_limit(comm, monkeypatch):
+def test_no_shared_blocks_across_nodes_or_above_the_limit(comm, monkeypatch):
     monkeypatch.setenv("MPISTRAT_SHM_MIN_BYTES", "0")
     with RankCommunicator(comm) as rc:
         big = _data(MAX_BYTES // 8 + 1, "int64", comm.rank, 2)
@@ -322,7 +344,7 @@ def test_fused_buckets_get_shared_blocks_and_held_results_stay(comm, monkeypatch
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_fused_results_right_whichever_blocks_each_rank_publishes(comm, monkeypatch):
+def test_fused_results_right_whichever_blocks_each_rank_offers(comm, monkeypatch):
     """Ranks hold different fused results (more than SLOTS on some), so in one call the ranks offer
     different blocks, or none: the call takes a block every rank offered, or private results on every
     rank; every result, and every held one, stays what it was."""
@@ -387,8 +409,9 @@ def test_result_pool_offers_the_free_shared_blocks():
         views = pool.get()[1]
         assert shared.take_offer(np.empty(128, np.float32)) == 0  # offered with another array: nothing
         views = pool.get()[1]
-        assert shared.take_offer(views[0]) == 1  # slot 0 free again
-        shared.retire()  # its call failed: a late owner may still write into the block decided on
+        shared.publish(shared.take_offer(views[0]))
+        assert shared.published == 1  # slot 0 free again, and offered
+        shared.retire()  # the call failed before deciding: the block every rank offered may be written late
         views = pool.get()[1]
         assert shared.take_offer(views[0]) == 0  # slot 0 pinned for good, slot 1 held
         assert ALL_SLOTS == (1 << SLOTS) - 1

@@ -26,10 +26,10 @@ def run_steps(steps: list[Step], arrays: list, op: str, inplace: bool, hook: Agr
     call, that lane reduces the first step with the check instead. Later steps get
     :data:`~mpistrat.comm.transport.base.NO_AGREEMENT` (the check is done by then), and with ``compiled``
     a step's compiled reduce-scatter (``Step.lane``) where it has one and can take the call.
-    Results are new arrays from each step's pool (never overwritten by a later
-    call; read-only where the node's ranks share them), or, in place, the input arrays themselves: a packed bucket is then reduced into
-    ``scratch`` (host) or a new device array and copied into them, never via memory a transport
-    owns, so no view of it outlives the call.
+    Results are new arrays from each step's pool (never overwritten by a later call; read-only where
+    the node's ranks share them), or, in place, the input arrays themselves: a packed bucket is then
+    reduced into ``scratch`` (host) or a new device array and copied into them, never via memory a
+    transport owns, so no view of it outlives the call.
     """
     results = arrays if inplace else [None] * len(arrays)
     for step in steps:

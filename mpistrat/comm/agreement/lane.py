@@ -135,7 +135,10 @@ class FoldedLane(abc.ABC):
         staged first)."""
 
     def _failed(self, ready: Any) -> None:
-        """The call raised (before or after the kernel's post): undo what :meth:`_ready` announced."""
+        """The call raised (before or after the kernel's post): retire what :meth:`_ready` offered."""
+
+    def _declined(self, ready: Any, dst: np.ndarray) -> None:
+        """The kernel posted nothing (NotImplemented): give back what :meth:`_ready` took for the Python path."""
 
     def __call__(self, src: np.ndarray, dst: np.ndarray) -> bool:
         """Reduce ``src`` (C-contiguous, the plan's shape and dtype) into ``dst``; False, having done
@@ -161,6 +164,7 @@ class FoldedLane(abc.ABC):
             if out is NotImplemented:
                 gather._round = current - 1
                 guard.seq -= 1
+                self._declined(ready, dst)
                 return False
         except BaseException as exc:
             self._failed(ready)
@@ -267,12 +271,22 @@ class CompiledScatter(FoldedLane):
     def _failed(self, ready: Any) -> None:
         _scatter_failed(ready[0])
 
+    def _declined(self, ready: Any, dst: np.ndarray) -> None:
+        _reoffer(ready[0], ready[1], dst)
+
 
 def _offer(layout: ScatterLayout, dst: np.ndarray) -> int:
     """The node's result blocks this rank offers for a call into ``dst`` (the pool's offer; 0 without blocks, or
     where the array ends in a one-synchronisation chunk, as ``ShmTransport.allreduce_array`` decides)."""
     shared = layout.shared
     return 0 if shared is None else shared.take_offer(dst, not layout.tail_one_sync)
+
+
+def _reoffer(layout: ScatterLayout, offer: int, dst: np.ndarray) -> None:
+    """Offer again what :func:`_offer` took, for the Python path, where the kernel posted nothing (nothing was
+    handed out since: the same blocks are free)."""
+    if layout.shared is not None:
+        layout.shared.offer(offer, dst)
 
 
 def _scatter(transport: ShmTransport, layout: ScatterLayout, offer: int, check: tuple, spins: int, src: np.ndarray,
@@ -339,6 +353,7 @@ class StepScatter:
         try:
             out = _scatter(transport, layout, offer, _no_round(layout), self._spins, src, dst, self._kind)
             if out is NotImplemented:
+                _reoffer(layout, offer, dst)
                 return False
             _scattered(transport, layout, out, src, dst, self._op, 1)
         except BaseException:

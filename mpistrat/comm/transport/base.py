@@ -140,12 +140,16 @@ class Transport(abc.ABC):
         """Reduce what was packed into :meth:`pack_buffer`; call ``hook.staged()`` first.
 
         Returns ``out`` (1-D, ``count`` items), or, when ``out`` is None, a 1-D
-        array the transport owns, valid until the next :meth:`pack_buffer`.
+        array the transport owns, valid until the next :meth:`pack_buffer`. Where ``out`` came
+        with an offer of the transport's ``result_blocks`` and the call took one of them (their
+        ``chosen``), the result is in that block and ``out`` is left alone.
         """
 
     @abc.abstractmethod
     def allreduce_array(self, src: Any, dst: Any, op: str, hook: AgreementHook) -> None:
-        """Reduce one C-contiguous array into ``dst`` (``src`` may be ``MPI.IN_PLACE``), calling the hook."""
+        """Reduce one C-contiguous array into ``dst`` (``src`` may be ``MPI.IN_PLACE``), calling the hook; or,
+        where ``dst`` came with an offer of the transport's ``result_blocks`` and the call took one of them
+        (their ``chosen``), into that block, ``dst`` left alone."""
 
     @abc.abstractmethod
     def close(self) -> None:

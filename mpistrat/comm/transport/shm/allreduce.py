@@ -295,8 +295,9 @@ class ShmTransport(Transport):
         the result. Otherwise the reduce-scatter (class docstring), whose result is this rank's own
         segment (copied into ``out`` when given), or, where every rank offered one with its ``out``, one
         of this size's shared result blocks (``result_blocks``: the owners write into it; its
-        ``chosen`` says which, and ``out`` is left alone). The path depends only on the size, which every
-        rank agreed on, never on ``out`` or the offers, which ranks may choose differently.
+        ``chosen`` says which, and ``out`` is left alone). The path (one synchronisation or the
+        reduce-scatter) depends only on the size, which every rank agreed on, never on ``out`` or the
+        offers, which ranks may choose differently.
         """
         ufunc, dtype = self._take_pending(count, dtype, op, "allreduce_packed")
         if count * dtype.itemsize <= self.direct_max_bytes:
@@ -351,7 +352,8 @@ class ShmTransport(Transport):
         synced: bool = False, shared: SharedResults | None = None, offset: int = 0,
         into: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Steps 1-4 of the class docstring; the result, a view of this rank's segment. ``own``: this
+        """Steps 1-4 of the class docstring; a view of this rank's segment, the result unless the call took a
+        shared block (``shared``). ``own``: this
         rank's data in private memory, read for its own slice instead of its segment (which then need
         not hold it). ``synced``: step 1's synchronisation already happened (the agreement check stood
         for it). ``shared`` (on one node): the node's result blocks; where every rank offered one

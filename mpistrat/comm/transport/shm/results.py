@@ -1,17 +1,16 @@
-"""Result arrays in node shared memory, one per node, so that slice owners write the result straight into it.
+"""Result blocks in node shared memory that a node's ranks share, so slice owners write each result once.
 
-Without them, the shared-memory transport's reduce-scatter leaves every rank's result in its own
-window segment, and the rank copies it out: one more read and write of the whole array per call.
-With per-rank result blocks, each owner still pushes its reduced slice into every peer's block.
-Here the node's ranks share each result: every owner writes its slice once, and every rank's
-result is a read-only view of that one block (TensorFlow's results are immutable tensors; an
-in-place write raises instead of reaching the other ranks' results).
+Without them, the shared-memory transport's reduce-scatter pushes every owner's reduced slice into
+every rank's window segment, and each rank copies its result out. With them, every owner writes its
+slice once into one block, and every rank's result is a read-only view of it (TensorFlow's results
+are immutable tensors; an in-place write raises instead of reaching the other ranks' results).
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -26,8 +25,9 @@ ALL_SLOTS = (1 << SLOTS) - 1  # an offer of every slot (a bit per slot)
 _CONTROL_BYTES = 64  # one cache line per rank: the slots it offers
 _SIZES_MAX = 16  # sizes (count, dtype) given shared blocks, per transport
 # Largest array given shared blocks: shared memory has 4 KiB pages (no transparent huge pages for
-# shmem) while NumPy's large private arrays get huge pages, so above this, writing into every rank's
-# block costs more page walks than the saved copy (benchmarks/README.md, "shared result blocks").
+# shmem) while NumPy's large private arrays get huge pages. Measured when every rank had blocks of its
+# own, each written in full (benchmarks/README.md, "shared result blocks"): above this, the page walks
+# cost more than the saved copy. Not measured again since the node's ranks share one block.
 MAX_BYTES = 16 << 20
 
 
@@ -76,7 +76,9 @@ class SharedResults(ResultBlockSet):
         self._control = self._controls[self.rank]
         self._control[0] = 0
         self.published = 0  # the slots this rank offered for its last call
-        self._offer: tuple[int, object] = (0, None)  # the pool's offer and the private result it came with
+        # The pool's offer and (weakly: a withdrawn-too-late offer must not pin the pool's entry) the private
+        # result it came with.
+        self._offer: tuple[int, object] = (0, None)
         self._decision = np.full(1, -1, np.int64)  # the last call's slot (-1: private), written by decide or a kernel
         offsets = [PAGE_SIZE + k * block_bytes for k in range(SLOTS)]
         # The node's blocks as this process maps them (where owners write) ...
@@ -106,17 +108,18 @@ class SharedResults(ResultBlockSet):
     def offer(self, slots: int, private: object) -> None:
         """Offer ``slots`` (a bit per slot nobody on this rank holds) for the call whose private result
         would be ``private``; the call's transport takes the offer (:meth:`take_offer`)."""
-        self._offer = (slots, private)
+        self._offer = (slots, weakref.ref(private))
         self._decision[0] = -1
 
     def take_offer(self, out: np.ndarray, usable: bool = True) -> int:
         """The slots offered with ``out`` (the private result, or a view of it; 0 for any other array, or
         where the call cannot take a shared result: not ``usable``), the offer withdrawn; what the transport
         publishes for the call."""
-        slots, private = self._offer
+        slots, ref = self._offer
         self._offer = (0, None)
         self._decision[0] = -1
-        if not usable or not (out is private or out.base is private):
+        private = ref() if ref is not None else None
+        if not usable or private is None or not (out is private or out.base is private):
             slots = 0
         self.published = slots
         return slots
@@ -149,9 +152,16 @@ class SharedResults(ResultBlockSet):
         return addresses(self._controls), addresses(self._blocks), self._decision.__array_interface__["data"][0]
 
     def retire(self) -> None:
-        """Never offer the published slots again (their call failed: a late owner may still write into the
-        one decided on)."""
-        self._retired.extend(self.blocks[k] for k in range(SLOTS) if self.published >> k & 1)
+        """Never offer again the block a failed call decided on, or would have (every rank's offer, where this
+        rank failed before reading them): a late owner may still write into it."""
+        slot = self.chosen
+        if slot < 0:
+            common = self.published
+            for control in self._controls:
+                common &= int(control[0])
+            slot = (common & -common).bit_length() - 1
+        if slot >= 0:
+            self._retired.append(self.blocks[slot])
 
     def free(self) -> None:
         """Free the window (collective); memory still held by results stays mapped until exit."""
@@ -171,8 +181,8 @@ class ResultBlocks(ResultBlockSource):
 
     ``enabled``: the transport pushes results (one node, two ranks or more); only arrays of more
     than ``above`` bytes (below, every rank writes its own result anyway) and at most
-    :data:`MAX_BYTES` get blocks, at most ``budget`` bytes per rank in all (address space: a
-    block's pages are backed once written).
+    :data:`MAX_BYTES` get blocks, at most ``budget`` bytes in all (counted the same on every rank; the
+    blocks lie in local rank 0's segment; address space: a block's pages are backed once written).
     """
 
     def __init__(self, node_comm: MPI.Comm, enabled: bool, above: int, budget: int) -> None:
