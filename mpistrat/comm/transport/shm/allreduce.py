@@ -31,7 +31,7 @@ from mpistrat.comm.runtime.topology import NodeLayout, Topology, resolve_pretend
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
 from mpistrat.comm.transport.buffers import GrowableBuffers
 from mpistrat.comm.transport.shm import calibration
-from mpistrat.comm.transport.shm.plan import ReducePlan, ScatterLayout, make_plan
+from mpistrat.comm.transport.shm.plan import ReducePlan, ScatterLayout, make_plan, one_sync_tail
 from mpistrat.comm.transport.shm.results import SLOTS, ResultBlocks, SharedResults
 from mpistrat.comm.transport.shm.settings import agree_settings, read_settings
 
@@ -433,7 +433,8 @@ class ShmTransport(Transport):
         shared = self.result_blocks.make(count, dtype)
         chunk = self._chunk_items(count, dtype)
         if shared is not None:  # in place: dst is the source, never a shared result
-            usable = src is not MPI.IN_PLACE and not self._one_sync_tail(count, dtype, chunk)
+            usable = src is not MPI.IN_PLACE and not one_sync_tail(count, dtype.itemsize, chunk,
+                                                                   self.direct_max_bytes)
             shared.publish(shared.take_offer(dst, usable))
         try:
             self.reduce_in_chunks(source, out, op, chunk, hook, shared)
@@ -543,13 +544,6 @@ class ShmTransport(Transport):
                 self.auto_chunk_bytes, self.max_bytes)
             self._set_chunk_bytes(chunk_bytes)
         return self.chunk_bytes // dtype.itemsize
-
-    def _one_sync_tail(self, count: int, dtype: np.dtype, chunk: int) -> bool:
-        """Whether an array of ``count`` items in chunks of ``chunk`` (0: one pass) ends in a short chunk that
-        the window reduces with one synchronisation, every rank summing it into its own result: such an array
-        takes no shared result (a rule on sizes: every rank decides the same)."""
-        last = count % chunk if 0 < chunk < count else 0
-        return 0 < last and last * dtype.itemsize <= self.direct_max_bytes
 
     def _allreduce_contiguous(
         self, source: np.ndarray, out: np.ndarray, op: str, hook: AgreementHook = NO_AGREEMENT,

@@ -6,7 +6,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReducePlan", "ScatterLayout", "make_plan"]
+__all__ = ["ReducePlan", "ScatterLayout", "make_plan", "one_sync_tail"]
+
+
+def one_sync_tail(count: int, itemsize: int, chunk_items: int, direct: int) -> bool:
+    """Whether an array of ``count`` items in chunks of ``chunk_items`` (0, or ``count`` or more: one pass) ends in
+    a chunk of at most ``direct`` bytes, which the window reduces with one synchronisation, every rank summing it
+    into its own result (so such an array takes no shared result block)."""
+    step = max(1, chunk_items if 0 < chunk_items < count else count)
+    return (count - (-(-count // step) - 1) * step) * itemsize <= direct
 
 
 class ReducePlan:
@@ -86,7 +94,7 @@ class ScatterLayout:
         self.direct = direct
         chunks = -(-count // self.chunk_items)
         # A short last chunk takes the window's one-synchronisation reduce, which flips its bucket.
-        self.tail_one_sync = (count - (chunks - 1) * self.chunk_items) * itemsize <= direct
+        self.tail_one_sync = one_sync_tail(count, itemsize, self.chunk_items, direct)
         # The node synchronisations besides the check's: two per chunk, one fewer for the first and a short last.
         self.epochs = 2 * chunks - 1 - self.tail_one_sync
         self.shared = shared

@@ -127,19 +127,21 @@ class SharedResults(ResultBlockSet):
     def publish(self, slots: int) -> None:
         """Announce this rank's offer (before the call's first node synchronisation)."""
         self._control[0] = self.published = slots
-        self._decision[0] = -1
         self.window.sync()
 
     def decide(self) -> np.ndarray | None:
         """The node's block every rank offered (the lowest such slot), as the owners write it, or None:
         private results. Read after the call's first synchronisation, the same on every rank."""
         self.window.sync()
-        common = ALL_SLOTS
-        for control in self._controls:
-            common &= int(control[0])
-        slot = (common & -common).bit_length() - 1
+        slot = self._common_slot(ALL_SLOTS)
         self._decision[0] = slot
         return self._blocks[slot] if slot >= 0 else None
+
+    def _common_slot(self, slots: int) -> int:
+        """The lowest of ``slots`` that every rank's published offer holds, or -1."""
+        for control in self._controls:
+            slots &= int(control[0])
+        return (slots & -slots).bit_length() - 1
 
     @property
     def chosen(self) -> int:
@@ -156,10 +158,7 @@ class SharedResults(ResultBlockSet):
         rank failed before reading them): a late owner may still write into it."""
         slot = self.chosen
         if slot < 0:
-            common = self.published
-            for control in self._controls:
-                common &= int(control[0])
-            slot = (common & -common).bit_length() - 1
+            slot = self._common_slot(self.published)
         if slot >= 0:
             self._retired.append(self.blocks[slot])
 
