@@ -36,9 +36,11 @@ flat and the hierarchical path to clusters. Each path's form follows its code (b
   sleep more) and, per rank, a pass over n bytes (its slice summed across the node's segments, then
   pushed into the others: n read, n written): ``2 a_w + b_w n``;
 * MPI within a node: MPICH's reduce-scatter + all-gather (Rabenseifner), ``log2 p`` steps each way,
-  step k sending ``n / 2^k`` bytes (``a_m + b_m x``) and the reduce-scatter summing them, plus the
-  first-touch faults of MPICH's scratch buffer from 32 MiB (glibc maps allocations above its largest
-  mmap threshold afresh on every call);
+  step k sending ``n / 2^k`` bytes (``a_m + b_m x``: a step of 8 KiB or more is a kernel copy after a
+  handshake, a shorter one goes through MPICH's shared cells with a latency of its own) and the
+  reduce-scatter summing them, plus the first-touch faults of the ``n / 2`` bytes MPICH's scratch
+  buffer receives, from 32 MiB (glibc maps allocations above its largest mmap threshold afresh on
+  every call);
 * hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes all-reduced
   with MPI across the nodes, the push;
 * ranks that outnumber the machine's cores (4 on 2) multiply the work and the MPI steps by
@@ -89,6 +91,9 @@ MPICH_ALLREDUCE_SHORT = 8
 MPICH_IALLREDUCE_SHORT = 2048
 MPICH_REDUCE_SHORT = 2048  # binomial reduce up to it, reduce-scatter + gather above
 MPICH_BINOMIAL_BCAST_MAX = 12288  # coll_selection.json: binomial broadcast below it (and below 8 ranks)
+# MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD: a message of at least this many bytes between ranks of a node is
+# copied once, by the kernel (CMA, after a handshake); a shorter one goes through MPICH's shared cells.
+MPICH_CMA_MIN = 8192
 DEFAULT_NET_LATENCY_US = 1.2  # HBv3, HDR InfiniBand, osu_latency, 1 byte (module docstring)
 DEFAULT_NET_GBPS = 192.0  # HBv3, HDR InfiniBand (200 Gb/s line rate), osu_bw, one way
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_model.json")
@@ -414,7 +419,9 @@ class Model:
 
     ``a_window``: seconds per node synchronisation; ``b_window``: seconds per byte a rank passes over
     (it reads n and writes n: its slice summed across the segments, then pushed into the others);
-    ``a_mpi``: seconds per MPI message step; ``b_mpi``: seconds per byte sent. Summing a received ``x``
+    ``a_mpi``: seconds per MPI message step of ``MPICH_CMA_MIN`` bytes or more (the kernel's copy and
+    its handshake); ``a_eager``: per shorter step (MPICH's shared cells; None: ``a_mpi``); ``b_mpi``:
+    seconds per byte sent. Summing a received ``x``
     bytes costs the private pass over ``2 x`` bytes; per-byte costs grow with the working set beyond
     the fit's (:meth:`Machine.growth`).
     """
@@ -424,6 +431,7 @@ class Model:
     b_window: float
     a_mpi: float
     b_mpi: float
+    a_eager: float | None = None
     scratch_faults: bool = True  # False: as with MALLOC_MMAP_MAX_=0 (MPICH's scratch buffer stays mapped)
 
     # -- one machine (all ranks share its memory) --
@@ -436,20 +444,24 @@ class Model:
 
     def mpi_step(self, x: float, ws: float) -> float:
         """One MPI message step of ``x`` bytes between ranks of one machine. MPICH copies a message of
-        8 KiB or more once, in the kernel, page by page (CMA): its cost per byte does not follow the
-        cache, so it never grows."""
-        return self.a_mpi + self.b_mpi * x
+        ``MPICH_CMA_MIN`` bytes or more once, in the kernel, page by page (CMA), after a handshake that
+        a shorter message through its shared cells does without; the kernel's cost per byte does not
+        follow the cache, so it never grows."""
+        latency = self.a_mpi if x >= MPICH_CMA_MIN or self.a_eager is None else self.a_eager
+        return latency + self.b_mpi * x
 
     def reduce(self, x: float, ws: float) -> float:
         """Summing a received ``x`` bytes into ``x`` bytes (the private pass over ``2 x`` bytes)."""
         return 2 * x * self.machine.pass_cost("private", 2.0 * FIT_MAX) * self.machine.growth("private", ws)
 
     def faults(self, n: float, ranks: int) -> float:
-        """MPICH's scratch buffer for the reduce-scatter (``n`` bytes, ``(p-1)/p n`` touched), mapped
-        afresh on every call from glibc's largest mmap threshold up."""
-        if not self.scratch_faults or n < GLIBC_MMAP_THRESHOLD_MAX:
+        """MPICH's scratch buffer for the reduce-scatter (``n`` bytes), mapped afresh on every call from
+        glibc's largest mmap threshold up: its first step receives ``n / 2`` bytes into it, and every
+        later step into part of the region the step before received into, so ``n / 2`` are touched
+        whatever the number of ranks."""
+        if not self.scratch_faults or n < GLIBC_MMAP_THRESHOLD_MAX or ranks < 2:
             return 0.0
-        return self.machine.fault * n * (ranks - 1) / ranks
+        return self.machine.fault * n / 2
 
     def mpi_machine(self, n: float, ranks: int, ws: float) -> float:
         """MPICH's reduce-scatter + all-gather over ``ranks`` (a power of two) of one machine."""
@@ -532,8 +544,14 @@ class Model:
                                                             MPICH_IALLREDUCE_SHORT)
 
 
-def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: float) -> tuple[float, float]:
-    """Least squares of the relative error of ``measured = syncs * a + rest + b * x`` with ``a, b >= 0``."""
+def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: float,
+              b: float | None = None) -> tuple[float, float]:
+    """Least squares of the relative error of ``measured = syncs * a + rest + b * x`` with ``a, b >= 0``
+    (``b`` given: ``a`` alone)."""
+    if b is not None:
+        column = np.full_like(x, syncs) / measured
+        target = (measured - rest - b * x) / measured
+        return max(0.0, float(column @ target / (column @ column))), b
     design = np.stack([np.full_like(x, syncs), x], axis=1) / measured[:, None]
     target = (measured - rest) / measured
     (a, b), *_ = np.linalg.lstsq(design, target, rcond=None)
@@ -557,10 +575,17 @@ def fit(run: dict[str, Any], constant: bool) -> Model:
     window_t = np.array(run["time_s"]["window"], dtype=float)[: len(n)]
     grow_shm = np.array([machine.growth("shm", 2 * s) for s in n])
     model.a_window, model.b_window = _fit_line(n * grow_shm, np.zeros_like(n), window_t, 2)
-    # MPI at 2 ranks: one step each way of n/2 bytes and one sum of n/2 bytes.
+    # MPI at 2 ranks: one step each way of n/2 bytes and one sum of n/2 bytes; the latency and the
+    # per-byte cost from the sizes whose steps the kernel copies, the shorter steps' latency beside them.
     mpi_t = np.array(run["time_s"]["mpi"], dtype=float)[: len(n)]
     rest = np.array([model.reduce(s / 2, 2 * s) + model.faults(s, 2) for s in n])
-    model.a_mpi, model.b_mpi = _fit_line(n, rest, mpi_t, 2)
+    cma = n / 2 >= MPICH_CMA_MIN
+    if cma.sum() < 2:
+        raise ValueError(f"the fit needs two sizes or more from {human(2 * MPICH_CMA_MIN)} up to {human(FIT_MAX)}")
+    model.a_mpi, model.b_mpi = _fit_line(n[cma], rest[cma], mpi_t[cma], 2)
+    if not cma.all():
+        short = ~cma
+        model.a_eager, _ = _fit_line(n[short], rest[short], mpi_t[short], 2, b=model.b_mpi)
     return model
 
 
@@ -676,11 +701,12 @@ def predict(args: argparse.Namespace) -> int:
     say("\n## Fitted on the 2-rank run up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
         "byte passed over or sent; sum: per byte summed; the fault, the sleep and the per-byte growth come from "
         "the probes)\n")
-    say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI b (ns/B) | sum (ns/B) | fault (us/page) "
-        "| waiter sleep (us) |")
-    say("|---|---|---|---|---|---|---|---|")
+    say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) | sum (ns/B) "
+        "| fault (us/page) | waiter sleep (us) |")
+    say("|---|---|---|---|---|---|---|---|---|")
     for (name, _), m in zip(VARIANTS, models):
-        say(f"| {name} | {m.a_window * 1e6:.2f} | {m.b_window * 1e9:.3f} | {m.a_mpi * 1e6:.2f} | "
+        eager = m.a_mpi if m.a_eager is None else m.a_eager
+        say(f"| {name} | {m.a_window * 1e6:.2f} | {m.b_window * 1e9:.3f} | {m.a_mpi * 1e6:.2f} | {eager * 1e6:.2f} | "
             f"{m.b_mpi * 1e9:.3f} | {m.reduce(1.0, 0) * 1e9:.3f} | {m.machine.fault * PAGE * 1e6:.2f} | "
             f"{m.machine.sleep * 1e6:.0f} |")
     print_checks(checks(data, models), args.statistic, say)

@@ -42,7 +42,7 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
 
 def _truth() -> sm.Model:
     machine = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=False)
-    return sm.Model(machine, a_window=3e-6, b_window=0.1e-9, a_mpi=2.5e-6, b_mpi=0.25e-9)
+    return sm.Model(machine, a_window=3e-6, b_window=0.1e-9, a_mpi=2.5e-6, b_mpi=0.25e-9, a_eager=1.5e-6)
 
 
 def _data(truth: sm.Model) -> dict:
@@ -53,7 +53,7 @@ def _data(truth: sm.Model) -> dict:
 def test_the_fit_recovers_the_parameters_the_times_came_from():
     truth = _truth()
     fitted = sm.fit(_data(truth)["runs"][sm.FIT_LAYOUT], constant=False)
-    for name in ("a_window", "b_window", "a_mpi", "b_mpi"):
+    for name in ("a_window", "b_window", "a_mpi", "b_mpi", "a_eager"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     assert fitted.machine.fault == pytest.approx(0.25e-6 / sm.PAGE)
 
@@ -64,8 +64,8 @@ def test_the_fit_uses_nothing_above_one_mebibyte():
     for path in sm.PATHS:  # held-out sizes changed beyond recognition
         run["time_s"][path] = [t if n <= sm.FIT_MAX else 1e3 * t for n, t in zip(run["sizes"], run["time_s"][path])]
     after = sm.fit(run, constant=False)
-    assert (after.a_window, after.b_window, after.a_mpi, after.b_mpi) == (
-        before.a_window, before.b_window, before.a_mpi, before.b_mpi)
+    assert (after.a_window, after.b_window, after.a_mpi, after.b_mpi, after.a_eager) == (
+        before.a_window, before.b_window, before.a_mpi, before.b_mpi, before.a_eager)
 
 
 def test_exact_times_give_zero_errors_on_every_held_out_layout():
@@ -117,6 +117,23 @@ def test_mpich_scratch_buffer_faults_only_from_glibc_mmap_maximum():
     below, above = sm.GLIBC_MMAP_THRESHOLD_MAX - sm.PAGE, sm.GLIBC_MMAP_THRESHOLD_MAX
     assert model.faults(below, 2) == 0.0
     assert model.faults(above, 2) == pytest.approx(model.machine.fault * above / 2)
+
+
+def test_mpich_scratch_buffer_touches_half_the_array_whatever_the_ranks():
+    # Recursive halving receives n/2 into the scratch buffer, then each step into part of the last region.
+    model = _truth()
+    n = 64 << 20
+    assert model.faults(n, 2) == model.faults(n, 4) == model.faults(n, 1024) > 0
+    assert model.faults(n, 1) == 0.0
+
+
+def test_mpi_steps_below_the_kernel_copy_threshold_take_the_shorter_latency():
+    model = _truth()
+    below, at = sm.MPICH_CMA_MIN - 4, sm.MPICH_CMA_MIN
+    assert model.mpi_step(below, 0) == pytest.approx(model.a_eager + model.b_mpi * below)
+    assert model.mpi_step(at, 0) == pytest.approx(model.a_mpi + model.b_mpi * at)
+    model.a_eager = None  # one latency for every step
+    assert model.mpi_step(below, 0) == pytest.approx(model.a_mpi + model.b_mpi * below)
 
 
 def test_ranks_beyond_the_cores_scale_the_work_and_sleep_in_each_sync():
@@ -180,7 +197,7 @@ def test_scratch_buffer_faults_can_be_left_out_of_the_projection():
     with_faults = model.flat(n, 64, 8, NET)
     model.scratch_faults = False
     assert model.faults(n, 64) == 0.0
-    assert with_faults - model.flat(n, 64, 8, NET) == pytest.approx(model.machine.fault * n * 63 / 64)
+    assert with_faults - model.flat(n, 64, 8, NET) == pytest.approx(model.machine.fault * n / 2)
 
 
 def test_predict_prints_fit_checks_and_projection(tmp_path, capsys):
