@@ -6,7 +6,8 @@ Each run is ``mpiexec -bind-to core -n N python TREE/benchmarks/allreduce.py --c
 method of ``allreduce.py``: interleaved with raw ``Allreduce(IN_PLACE)``, the slowest rank, the median
 over iterations). Per size it prints the median over the runs of ``raw time / strategy time`` (the
 busbw ratio), each run's value, raw's 1 MiB time in every run (the machine changes speed between
-runs), the fused case (100 arrays of 4 KiB in one ``all_reduce`` inside ``strategy.run`` against 100
+runs) and the cross-core round trip before every run (``machine_phase.py``: the VM's speed phase), the
+fused case (100 arrays of 4 KiB in one ``all_reduce`` inside ``strategy.run`` against 100
 raw calls) and issue 23's target for each row. With ``--old``, runs of that checkout alternate with
 the tree's, and its medians are printed too.
 """
@@ -20,6 +21,7 @@ import statistics
 import sys
 
 from compare_trees import run_once
+from machine_phase import describe, round_trip_ns
 
 SIZES = ["4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]
 FUSED = "100 x 4 KiB one fused all_reduce in strategy.run"
@@ -42,14 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     trees = [("new", os.path.abspath(args.tree))] + ([("old", os.path.abspath(args.old))] if args.old else [])
     for ranks in args.ranks:
         runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
+        trips: dict[str, list[float | None]] = {label: [] for label, _ in trees}
         for k in range(args.runs):
             for label, tree in trees:
+                trips[label].append(round_trip_ns())
                 runs[label].append(run_once(tree, ranks, ["--columns", "strategy"], mpiexec))
                 print(f"# {ranks} ranks, run {k + 1}/{args.runs}: {label} done", file=sys.stderr, flush=True)
         print(f"\n## {ranks} ranks, {args.runs} runs: raw time / strategy time (median over runs; each run)")
         for label, _ in trees:
             raw = ", ".join(f"{r['1 MiB raw'][1]:.0f}" for r in runs[label])
-            print(f"# {label}: raw Allreduce(IN_PLACE) of 1 MiB, per run: {raw} us")
+            print(f"# {label}: raw Allreduce(IN_PLACE) of 1 MiB, per run: {raw} us; cross-core round trip before "
+                  f"each run: {describe(trips[label])}")
         head = f"{'case':>10} | {'target':>6}"
         for label, _ in trees:
             head += f" | {label + ' median':>11} {'runs':>{6 * args.runs}}"
