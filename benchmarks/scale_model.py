@@ -421,9 +421,8 @@ class Model:
     (it reads n and writes n: its slice summed across the segments, then pushed into the others);
     ``a_mpi``: seconds per MPI message step of ``MPICH_CMA_MIN`` bytes or more (the kernel's copy and
     its handshake); ``a_eager``: per shorter step (MPICH's shared cells; None: ``a_mpi``); ``b_mpi``:
-    seconds per byte sent. Summing a received ``x``
-    bytes costs the private pass over ``2 x`` bytes; per-byte costs grow with the working set beyond
-    the fit's (:meth:`Machine.growth`).
+    seconds per byte sent. Summing a received ``x`` bytes costs the private pass over ``2 x`` bytes;
+    per-byte costs grow with the working set beyond the fit's (:meth:`Machine.growth`).
     """
 
     machine: Machine

@@ -28,10 +28,13 @@ def test_the_round_trip_is_measured_in_nanoseconds():
 
 
 @needs_cc
-@pytest.mark.parametrize("cores, message", [(["0", "0"], "two different cores"), (["0", "4096"], "core 4096")])
-def test_a_core_it_cannot_use_is_named_and_nothing_waits(cores, message):
+@pytest.mark.parametrize("second, message", [("same", "two different cores"), ("1000", "cannot run on core 1000"),
+                                             ("x", "usage: core_round_trip")])
+def test_a_core_it_cannot_use_is_named_and_nothing_waits(second, message):
     exe = mp._program()
     assert exe is not None
+    first = min(os.sched_getaffinity(0))
+    cores = [str(first), str(first) if second == "same" else second]
     done = subprocess.run([exe, *cores], capture_output=True, text=True, timeout=20, check=False)
     assert done.returncode == 2
     assert message in done.stderr

@@ -311,3 +311,21 @@ def test_measure_names_a_data_file_it_could_not_merge_into(tmp_path):
     assert "cannot write" in sm._data_problem(str(tmp_path / "absent" / "data.json"))
     (tmp_path / "other.json").write_text(json.dumps({"something": "else"}))
     assert "not a scale_model.py data file" in sm._data_problem(str(tmp_path / "other.json"))
+
+
+def test_the_mpi_fit_needs_two_kernel_copied_sizes_and_takes_the_short_latency_where_there_are_short_ones(monkeypatch):
+    run = _data(_truth())["runs"][sm.FIT_LAYOUT]
+    monkeypatch.setattr(sm, "MPICH_CMA_MIN", sm.FIT_MAX // 2)  # only 1 MiB's steps are kernel copies
+    with pytest.raises(ValueError, match="two sizes or more from 1 MiB up to 1 MiB"):
+        sm.fit(run, constant=False)
+    monkeypatch.setattr(sm, "MPICH_CMA_MIN", 1)  # every step a kernel copy: no short latency to fit
+    assert sm.fit(run, constant=False).a_eager is None
+
+
+def test_the_short_steps_latency_is_never_negative():
+    run = _data(_truth())["runs"][sm.FIT_LAYOUT]
+    short = [n for n in run["sizes"] if n / 2 < sm.MPICH_CMA_MIN]
+    assert short  # 4 and 8 KiB
+    for i in range(len(short)):  # faster than the per-byte cost alone allows
+        run["time_s"]["mpi"][i] = 1e-9
+    assert sm.fit(run, constant=False).a_eager == 0.0
