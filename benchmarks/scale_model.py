@@ -1,17 +1,18 @@
 """Latency-bandwidth model of the all-reduce paths: fitted on 2-rank runs, checked on held-out ones, projected.
 
     mpiexec -bind-to core -n 2 python benchmarks/scale_model.py --measure      # the run the fit uses
+    mpiexec -bind-to user:0,0 -n 2 python benchmarks/scale_model.py --measure  # fitted too: both on one core
     mpiexec -bind-to core -n 4 python benchmarks/scale_model.py --measure      # held out: 4 ranks
     MPISTRAT_PRETEND_NODES=2 mpiexec -bind-to core -n 4 python benchmarks/scale_model.py --measure
     python benchmarks/scale_model.py --predict [--net-latency-us 1.2] [--net-gbps 192]
-    python benchmarks/scale_model.py --all      # the three runs above, in rounds, then --predict (2-3 minutes)
+    python benchmarks/scale_model.py --all      # the four runs above, in rounds, then --predict (about 4 minutes)
 
 ``--measure`` times, with ``allreduce.py``'s method (warm-up; calls interleaved in a new random order
 per iteration, each after a barrier; the slowest rank's time; the median over iterations), for
 float32 sizes 4 KiB..64 MiB, in ``--repeats`` sweeps, each over the sizes in a new random order
 (the same on every rank): a slow spell of the machine falls on scattered sizes, not on a range.
 ``--append`` adds the sweeps to the layout's earlier ones in ``--data``; ``--all`` measures the
-three layouts ``--rounds`` times in turn, so that each layout's sweeps come from several moments.
+four layouts ``--rounds`` times in turn, so that each layout's sweeps come from several moments.
 The paths and probes:
 
 * ``mpi``: raw ``Allreduce(IN_PLACE)``, MPI within the machine;
@@ -20,20 +21,18 @@ The paths and probes:
   on pretend nodes, the hierarchical path;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
   out=a)`` over the halves of an n-byte region of node shared memory / of a private array, every rank
-  at once), ``fault`` (first touch of a fresh n-byte anonymous mapping, up to 1 MiB) and the
-  duration of one of the waiter's sleeps.
+  at once) and ``fault`` (first touch of a fresh n-byte private anonymous mapping, up to 1 MiB).
 
 It merges the layout's sweep medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs
 no MPI: it takes per size the least of its sweeps (``--statistic min``, the default: the model has no
 term for other programs on the machine, and they only ever add time; this VM's speed changes up to 3x
-between sweeps, benchmarks/README.md) or their median, fits each path on the 2-rank run up to 1 MiB
-only, predicts every other measurement (2 ranks above 1 MiB, 4 ranks, 4 ranks on 2 pretend nodes)
+between sweeps, benchmarks/README.md) or their median, fits each path on the 2-rank runs up to 1 MiB
+only (a core per rank; both ranks on one core), predicts every other measurement (2 ranks above 1 MiB, 4 ranks, 4 ranks on 2 pretend nodes)
 with its error, prints how many predictions fall within 20% under both statistics, and projects the
 flat and the hierarchical path to clusters. Each path's form follows its code (benchmarks/README.md,
 "scale_model.py", has the sources):
 
-* window, one node: two node synchronisations (``a_w`` each; where ranks outnumber cores, a waiter's
-  sleep more) and, per rank, a pass over n bytes (its slice summed across the node's segments, then
+* window, one node: two node synchronisations (``a_w`` each) and, per rank, a pass over n bytes (its slice summed across the node's segments, then
   pushed into the others: n read, n written): ``2 a_w + b_w n``;
 * MPI within a node: MPICH's reduce-scatter + all-gather (Rabenseifner), ``log2 p`` steps each way,
   step k sending ``n / 2^k`` bytes (``a_m + b_m x``: a step of 8 KiB or more is a kernel copy after a
@@ -43,8 +42,12 @@ flat and the hierarchical path to clusters. Each path's form follows its code (b
   every call);
 * hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes all-reduced
   with MPI across the nodes, the push;
-* ranks that outnumber the machine's cores (4 on 2) multiply the work and the MPI steps by
-  ``ranks / cores``: each core runs its ranks' work one after the other.
+* ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
+  ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
+  synchronisation costs the hand-over of the core (fitted on the run with both ranks on one core)
+  besides ``a_w``; an MPI step between ranks of two cores is each core's ranks' steps one after the
+  other, a step between ranks of one core (ranks 2^(k-1) apart, a multiple of the cores) the same-core
+  run's step.
 
 Two variants are checked: ``alpha-beta`` (constant per-byte costs) and ``+cache`` (the window's
 per-byte cost and the sums' grow beyond the fit's working set as the probes' pass cost grows: the
@@ -100,6 +103,7 @@ DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_m
 PATHS = ("mpi", "window")
 PROBES = ("shm_pass", "private_pass", "fault")
 FIT_LAYOUT = "2 ranks, 1 node"
+SAME_CORE_LAYOUT = "2 ranks, 1 node, one core"  # fitted too: what ranks that share a core pay
 STATISTICS = ("min", "median")  # of a size's sweeps
 SWEEP_ORDER_SEED = 20261127  # the sizes' order in sweep k: the same on every rank
 
@@ -111,9 +115,10 @@ def human(nbytes: float) -> str:
     return f"{nbytes:g} B"
 
 
-def layout_key(ranks: int, nodes: int, pretend: bool) -> str:
-    """The data file's key of a layout: ``"4 ranks, 2 pretend nodes"``."""
-    return f"{ranks} ranks, {nodes} {'pretend ' if pretend else ''}node{'s' if nodes > 1 else ''}"
+def layout_key(ranks: int, nodes: int, pretend: bool, one_core: bool = False) -> str:
+    """The data file's key of a layout: ``"4 ranks, 2 pretend nodes"``, ``"2 ranks, 1 node, one core"``."""
+    return f"{ranks} ranks, {nodes} {'pretend ' if pretend else ''}node{'s' if nodes > 1 else ''}" + (
+        ", one core" if one_core else "")
 
 
 # -- measuring (under mpiexec) --------------------------------------------------------------------
@@ -132,7 +137,9 @@ def _memory_probes(machine: Any, max_bytes: int) -> tuple[Callable, Callable, Ca
 
     def fault(size: int) -> Callable[[], None]:
         def touch() -> None:
-            m = mmap.mmap(-1, size)
+            # private, as glibc maps MPICH's scratch buffer: a shared mapping's pages are shmem's, which
+            # fault in at about twice the cost here (4 against 2 us per page)
+            m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             view = np.frombuffer(m, dtype=np.uint8)
             view[::PAGE] = 1
             del view
@@ -148,7 +155,6 @@ def measure(args: argparse.Namespace) -> int:
     from allreduce import choose_iters, samples  # the benchmarks' one method
     from mpi4py import MPI
 
-    from mpistrat.comm.runtime.waiter import SLEEP_SECONDS
     from mpistrat.comm.transport.shm.allreduce import ShmTransport
 
     world = MPI.COMM_WORLD
@@ -163,9 +169,10 @@ def measure(args: argparse.Namespace) -> int:
     window.direct_max_bytes = -1  # the engine: the reduce-scatter at every size, as allreduce.py's window column
     lay = window.layout
     machine = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    affinity = world.allgather(sorted(os.sched_getaffinity(0)))  # per rank, in rank order
     cores = len(set().union(*machine.allgather(os.sched_getaffinity(0))))
     machine_ranks = machine.Get_size()
-    key = layout_key(world.Get_size(), lay.num_nodes, lay.pretend)
+    key = layout_key(world.Get_size(), lay.num_nodes, lay.pretend, one_core=cores == 1)
     facts = {"ranks": world.Get_size(), "nodes": lay.num_nodes, "local": lay.local_size, "machine_ranks": machine_ranks,
              "cores": cores, "sizes": sizes, "window": window.describe(),
              "mpi_library": MPI.Get_library_version().splitlines()[0].strip(), "commit": _commit()}
@@ -209,11 +216,10 @@ def measure(args: argparse.Namespace) -> int:
             iters[i].append(n_iter)
             say(f"  sweep {sweep + 1}/{args.repeats} {human(size):>9}: "
                 + " ".join(f"{name} {medians[name][i][-1] * 1e6:.1f}" for name in fns) + " us", flush=True)
-    sleep = world.allreduce(_sleep_cost(SLEEP_SECONDS), op=MPI.MAX)
     run = {
-        **facts, "pretend": lay.pretend,
+        **facts, "pretend": lay.pretend, "affinity": affinity,
         "median_s": {name: [statistics.median(v) if v else None for v in medians[name]] for name in names},
-        "sweeps_s": medians, "iterations": iters, "sleep_s": sleep, "sleep_asked_s": SLEEP_SECONDS,
+        "sweeps_s": medians, "iterations": iters,
         "numpy": np.__version__, "when_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
         "seconds": round(time.time() - started, 1), "load_average": [load_before, os.getloadavg()],
         "argv": sys.argv,
@@ -238,16 +244,6 @@ def _data_problem(path: str) -> str | None:
         except ValueError as exc:
             return str(exc)
     return None
-
-
-def _sleep_cost(asked: float, times: int = 200) -> float:
-    """Median seconds a ``time.sleep(asked)`` takes here (the kernel's timer slack lengthens it)."""
-    took = []
-    for _ in range(times):
-        t0 = time.perf_counter()
-        time.sleep(asked)
-        took.append(time.perf_counter() - t0)
-    return statistics.median(took)
 
 
 def _commit() -> str:
@@ -283,7 +279,7 @@ def _merge(path: str, key: str, run: dict[str, Any], append: bool = False) -> No
 
 _LAYOUT_FIELDS = ("ranks", "nodes", "local", "machine_ranks", "cores", "sizes")
 _APPEND_FIELDS = _LAYOUT_FIELDS + ("window", "mpi_library", "commit")  # the same on every round of a layout
-_ROUND_FIELDS = ("when_utc", "seconds", "load_average", "sleep_s", "argv")
+_ROUND_FIELDS = ("when_utc", "seconds", "load_average", "argv")
 
 
 def _mismatch(earlier: dict[str, Any], facts: dict[str, Any]) -> str | None:
@@ -317,7 +313,6 @@ def _appended(earlier: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
                           for name, sweeps in merged["sweeps_s"].items()}
     merged["rounds"] = earlier.get("rounds", [{f: earlier.get(f) for f in _ROUND_FIELDS}])
     merged["rounds"] = merged["rounds"] + [{f: run.get(f) for f in _ROUND_FIELDS}]
-    merged["sleep_s"] = statistics.median(r["sleep_s"] for r in merged["rounds"])
     for field in ("when_utc", "load_average", "argv"):  # the entry's own: its first round's
         merged[field] = earlier.get(field)
     merged["seconds"] = round(sum(r["seconds"] or 0 for r in merged["rounds"]), 1)
@@ -352,6 +347,7 @@ def sweep_statistic(sweeps_s: dict[str, list[list[float]]], statistic: str) -> d
 
 
 _MEASURE_HINT = "mpiexec -bind-to core -n 2 python benchmarks/scale_model.py --measure (or --all)"
+_MEASURE_ALL_HINT = "measure it: mpiexec -bind-to user:0,0 -n 2 python benchmarks/scale_model.py --measure (or --all)"
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -362,15 +358,13 @@ class Machine:
     ``ws``: machine working sets (bytes: both ranks' regions) at which ``shm`` and ``private``, the
     seconds per byte of one rank's pass over its region (node shared memory with 4 KiB pages, like the
     window; a private array, like MPI's buffers), were measured; ``fault``: seconds per byte first
-    touched; ``sleep``: seconds one of the waiter's sleeps takes (its request plus the kernel's timer
-    slack); ``constant``: per-byte costs never grow with the working set (the plain alpha-beta model).
+    touched; ``constant``: per-byte costs never grow with the working set (the plain alpha-beta model).
     """
 
     ws: np.ndarray
     shm: np.ndarray
     private: np.ndarray
     fault: float
-    sleep: float
     constant: bool
 
     def pass_cost(self, kind: str, ws: float) -> float:
@@ -393,8 +387,6 @@ class Machine:
         for probe in PROBES:
             if probe not in med:
                 raise ValueError(f"run {FIT_LAYOUT!r} lacks the {probe} probe; measure it again")
-        if "sleep_s" not in run:
-            raise ValueError(f"run {FIT_LAYOUT!r} lacks the waiter's sleep (sleep_s); measure it again")
         sizes = np.array(run["sizes"], dtype=float)
         shm = np.array(med["shm_pass"], dtype=float) / sizes
         private = np.array(med["private_pass"], dtype=float) / sizes
@@ -402,7 +394,7 @@ class Machine:
         if not faults:
             raise ValueError(f"run {FIT_LAYOUT!r} has no fault probe between {human(FAULT_FIT_MIN)} and "
                              f"{human(FIT_MAX)}; measure it again")
-        return cls(2 * sizes, shm, private, statistics.median(faults), float(run["sleep_s"]), constant)
+        return cls(2 * sizes, shm, private, statistics.median(faults), constant)
 
 
 @dataclass
@@ -423,6 +415,11 @@ class Model:
     its handshake); ``a_eager``: per shorter step (MPICH's shared cells; None: ``a_mpi``); ``b_mpi``:
     seconds per byte sent. Summing a received ``x`` bytes costs the private pass over ``2 x`` bytes;
     per-byte costs grow with the working set beyond the fit's (:meth:`Machine.growth`).
+
+    Fitted on the 2-rank run with both ranks on one core (None without it): ``a_window_core``, seconds
+    per node synchronisation of ranks that share a core (the hand-over of the core; the passes as
+    ``b_window``, one after the other); ``a_core``, ``b_core``, ``a_core_eager``: an MPI message step
+    between two ranks of one core (both ranks' copies, on that core), as ``a_mpi``, ``b_mpi``, ``a_eager``.
     """
 
     machine: Machine
@@ -431,15 +428,17 @@ class Model:
     a_mpi: float
     b_mpi: float
     a_eager: float | None = None
+    a_window_core: float | None = None
+    a_core: float | None = None
+    b_core: float | None = None
+    a_core_eager: float | None = None
     scratch_faults: bool = True  # False: as with MALLOC_MMAP_MAX_=0 (MPICH's scratch buffer stays mapped)
 
     # -- one machine (all ranks share its memory) --
-    def window_node(self, n: float, ws: float, oversubscribed: bool = False) -> float:
-        """The window's reduce-scatter and push on one node: two node synchronisations (each a waiter's
-        sleep more where ranks outnumber cores: a rank waiting for a peer on its own core yields, then
-        sleeps) and a pass over n bytes."""
-        sync = self.a_window + (self.machine.sleep if oversubscribed else 0.0)
-        return 2 * sync + self.b_window * n * self.machine.growth("shm", ws)
+    def window_node(self, n: float, ws: float) -> float:
+        """The window's reduce-scatter and push on one node, a core per rank: two node synchronisations
+        and a pass over n bytes."""
+        return 2 * self.a_window + self.b_window * n * self.machine.growth("shm", ws)
 
     def mpi_step(self, x: float, ws: float) -> float:
         """One MPI message step of ``x`` bytes between ranks of one machine. MPICH copies a message of
@@ -448,6 +447,14 @@ class Model:
         follow the cache, so it never grows."""
         latency = self.a_mpi if x >= MPICH_CMA_MIN or self.a_eager is None else self.a_eager
         return latency + self.b_mpi * x
+
+    def core_step(self, x: float) -> float:
+        """One MPI message step of ``x`` bytes between two ranks of one core, both ranks' copies on it (the
+        same-core run's fit; ``mpi_step``'s two protocols)."""
+        if self.a_core is None or self.b_core is None:
+            raise ValueError(f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_MEASURE_ALL_HINT}")
+        latency = self.a_core if x >= MPICH_CMA_MIN or self.a_core_eager is None else self.a_core_eager
+        return latency + self.b_core * x
 
     def reduce(self, x: float, ws: float) -> float:
         """Summing a received ``x`` bytes into ``x`` bytes (the private pass over ``2 x`` bytes)."""
@@ -462,27 +469,48 @@ class Model:
             return 0.0
         return self.machine.fault * n / 2
 
-    def mpi_machine(self, n: float, ranks: int, ws: float) -> float:
-        """MPICH's reduce-scatter + all-gather over ``ranks`` (a power of two) of one machine."""
+    def mpi_machine(self, n: float, ranks: int, ws: float, per_core: int = 1, cores: int = 1,
+                    stride: int = 1) -> float:
+        """MPICH's reduce-scatter + all-gather over ``ranks`` (a power of two) of one machine.
+
+        With ``per_core`` ranks on each of ``cores`` cores (more than one: such all-reduces run on
+        every core at once, as every rank's does), world rank r sits on core ``r % cores`` (hydra's
+        ``-bind-to core``) and this communicator's ranks are ``stride`` world ranks apart. Step k pairs
+        ranks ``2^(k-1)`` apart: on two cores, each core copies for its ``per_core`` ranks one after
+        the other; on one core (that distance in world ranks a multiple of ``cores``), each core holds
+        ``per_core / 2`` such pairs, each exchange the same-core run's step. Each core sums, and
+        faults MPICH's scratch buffer in, for its ``per_core`` ranks."""
         steps = round(math.log2(ranks))
-        t = sum(2 * self.mpi_step(n / 2**k, ws) + self.reduce(n / 2**k, ws) for k in range(1, steps + 1))
-        return t + self.faults(n, ranks)
+        t = 0.0
+        for k in range(1, steps + 1):
+            x = n / 2**k
+            if per_core > 1 and (stride * 2 ** (k - 1)) % cores == 0:
+                step = per_core / 2 * self.core_step(x)
+            else:
+                step = per_core * self.mpi_step(x, ws)
+            t += 2 * step + per_core * self.reduce(x, ws)
+        return t + per_core * self.faults(n, ranks)
 
     def measured_layout(self, path: str, n: float, ranks: int, nodes: int, cores: int) -> float:
         """Predicted time of ``path`` on a layout of this machine: ``ranks`` over ``nodes`` (pretend)
-        nodes, every rank on one machine of ``cores`` cores. Where ranks outnumber cores, each core
-        runs its ranks' work one after the other: work and MPI steps take ``ranks / cores`` times
-        as long."""
-        over = ranks / cores if ranks > cores else 1.0
+        nodes (ranks numbered node by node), every rank on one machine of ``cores`` cores. Where ranks
+        outnumber cores, each core runs its ranks' work one after the other (:meth:`mpi_machine` for
+        MPI), and a node synchronisation costs what it costs between two ranks of one core (the
+        hand-over) besides, with ranks on several cores, what it costs between two cores."""
+        per_core = max(1, ranks // cores)
         local = ranks // nodes
         ws = ranks * n
         if path == "mpi":  # MPI knows nothing of pretend nodes: one machine
-            return over * self.mpi_machine(n, ranks, ws)
-        syncs = self.window_node(0, ws, over > 1)
-        work = self.window_node(n, ws) - self.window_node(0, ws)
+            return self.mpi_machine(n, ranks, ws, per_core, cores)
+        sync = self.a_window if cores > 1 else 0.0
+        if per_core > 1:
+            if self.a_window_core is None:
+                raise ValueError(f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_MEASURE_ALL_HINT}")
+            sync += self.a_window_core
+        t = 2 * sync + per_core * (self.window_node(n, ws) - self.window_node(0, ws))
         if nodes > 1:  # every slice owner all-reduces its n/local bytes with its peers on the other nodes
-            work += self.mpi_machine(n / local, nodes, ws / local)
-        return syncs + over * work
+            t += self.mpi_machine(n / local, nodes, ws / local, per_core, cores, stride=local)
+        return t
 
     # -- clusters --
     def net_allreduce(self, x: float, nodes: int, flows: int, ws: float, net: Network, short: int) -> float:
@@ -562,29 +590,47 @@ def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: floa
     return float(a), float(b)
 
 
-def fit(run: dict[str, Any], constant: bool) -> Model:
-    """Each path's ``a`` and ``b`` from the fit run (2 ranks, one node, a core each) up to ``FIT_MAX``."""
-    if run["ranks"] != 2 or run["nodes"] != 1 or run["machine_ranks"] > run["cores"]:
-        raise ValueError(f"the fit needs the {FIT_LAYOUT!r} run with a core per rank, got {run['ranks']} ranks "
-                         f"on {run['nodes']} node(s), {run['machine_ranks']} ranks on {run['cores']} cores")
-    machine = Machine.from_run(run, constant)
+def _fit_lines(run: dict[str, Any], rest_of: Callable[[float], float], growth: Callable[[float], float],
+               window_b: float | None = None) -> tuple[float, float, float, float, float | None]:
+    """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and a pass
+    over n bytes, ``growth(n)`` dearer; ``window_b`` given: ``a`` alone), and MPI's ``a``, ``b`` and the short
+    steps' latency (None where every step is a kernel copy): one step each way of n/2 bytes plus
+    ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies, the
+    shorter steps' latency beside them."""
     sizes = np.array(run["sizes"], dtype=float)
     n = sizes[sizes <= FIT_MAX]
-    model = Model(machine, 0.0, 0.0, 0.0, 0.0)
     window_t = np.array(run["time_s"]["window"], dtype=float)[: len(n)]
-    grow_shm = np.array([machine.growth("shm", 2 * s) for s in n])
-    model.a_window, model.b_window = _fit_line(n * grow_shm, np.zeros_like(n), window_t, 2)
-    # MPI at 2 ranks: one step each way of n/2 bytes and one sum of n/2 bytes; the latency and the
-    # per-byte cost from the sizes whose steps the kernel copies, the shorter steps' latency beside them.
+    a_w, b_w = _fit_line(n * np.array([growth(s) for s in n]), np.zeros_like(n), window_t, 2, b=window_b)
     mpi_t = np.array(run["time_s"]["mpi"], dtype=float)[: len(n)]
-    rest = np.array([model.reduce(s / 2, 2 * s) + model.faults(s, 2) for s in n])
+    rest = np.array([rest_of(s) for s in n])
     cma = n / 2 >= MPICH_CMA_MIN
     if cma.sum() < 2:
         raise ValueError(f"the fit needs two sizes or more from {human(2 * MPICH_CMA_MIN)} up to {human(FIT_MAX)}")
-    model.a_mpi, model.b_mpi = _fit_line(n[cma], rest[cma], mpi_t[cma], 2)
-    if not cma.all():
-        short = ~cma
-        model.a_eager, _ = _fit_line(n[short], rest[short], mpi_t[short], 2, b=model.b_mpi)
+    a_m, b_m = _fit_line(n[cma], rest[cma], mpi_t[cma], 2)
+    eager = None if cma.all() else _fit_line(n[~cma], rest[~cma], mpi_t[~cma], 2, b=b_m)[0]
+    return a_w, b_w, a_m, b_m, eager
+
+
+def _check_layout(run: dict[str, Any], key: str, cores: int) -> None:
+    if run["ranks"] != 2 or run["nodes"] != 1 or run["cores"] != cores or run["machine_ranks"] != 2:
+        where = "a core per rank" if cores == 2 else "both ranks on one core"
+        raise ValueError(f"the fit needs the {key!r} run, 2 ranks with {where}, got {run['ranks']} ranks "
+                         f"on {run['nodes']} node(s), {run['machine_ranks']} ranks on {run['cores']} cores")
+
+
+def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = None) -> Model:
+    """Each path's parameters up to ``FIT_MAX`` from the fit run (2 ranks, one node, a core each) and, when
+    given, the same-core run (2 ranks on one core: what ranks that share a core pay)."""
+    _check_layout(run, FIT_LAYOUT, 2)
+    machine = Machine.from_run(run, constant)
+    model = Model(machine, 0.0, 0.0, 0.0, 0.0)
+    model.a_window, model.b_window, model.a_mpi, model.b_mpi, model.a_eager = _fit_lines(
+        run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2), lambda s: machine.growth("shm", 2 * s))
+    if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
+        _check_layout(core_run, SAME_CORE_LAYOUT, 1)
+        model.a_window_core, _, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
+            core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)),
+            lambda s: machine.growth("shm", 2 * s), window_b=2 * model.b_window)
     return model
 
 
@@ -608,9 +654,12 @@ class Check:
 
 
 def checks(data: dict[str, Any], models: Sequence[Model]) -> list[Check]:
-    """Every measured time of every layout next to each model's prediction."""
+    """Every measured time of every layout but the same-core run (a fit input, like the probes) next to
+    each model's prediction."""
     out = []
     for key, run in data["runs"].items():
+        if key == SAME_CORE_LAYOUT:
+            continue
         for path in PATHS:
             for size, t in zip(run["sizes"], run["time_s"][path]):
                 if t is None:
@@ -674,11 +723,16 @@ def project(model: Model, net: Network, sizes: Sequence[int], ranks: Sequence[in
             say(f"| {r} | " + " | ".join(cells) + " |")
 
 
+def fit_all(runs: dict[str, Any]) -> list[Model]:
+    """Each variant's model, fitted on the 2-rank run and, where measured, the same-core run."""
+    return [fit(runs[FIT_LAYOUT], constant, runs.get(SAME_CORE_LAYOUT)) for _, constant in VARIANTS]
+
+
 def within_counts(data: dict[str, Any], statistic: str) -> list[tuple[int, int]]:
     """Per variant: how many held-out predictions of ``data`` (as :func:`load_data` gives it) fall within
     ``TARGET``, of how many, under ``statistic``."""
     runs = {key: dict(run, time_s=sweep_statistic(run["sweeps_s"], statistic)) for key, run in data["runs"].items()}
-    found = held_out(checks({"runs": runs}, [fit(runs[FIT_LAYOUT], constant) for _, constant in VARIANTS]))
+    found = held_out(checks({"runs": runs}, fit_all(runs)))
     return [(sum(abs(c.errors()[v]) <= TARGET for c in found), len(found)) for v in range(len(VARIANTS))]
 
 
@@ -687,6 +741,10 @@ def predict(args: argparse.Namespace) -> int:
     runs = data["runs"]
     if FIT_LAYOUT not in runs:
         raise SystemExit(f"{args.data}: no {FIT_LAYOUT!r} run to fit on; run {_MEASURE_HINT}")
+    shared = [key for key, run in runs.items() if run["machine_ranks"] > run["cores"] and key != SAME_CORE_LAYOUT]
+    if shared and SAME_CORE_LAYOUT not in runs:
+        raise SystemExit(f"{args.data}: {', '.join(map(repr, shared))} put ranks on a shared core, which needs the "
+                         f"{SAME_CORE_LAYOUT!r} run; {_MEASURE_ALL_HINT}")
     say = print
     say(f"# scale_model --predict: {args.data}, the {args.statistic} of each size's sweeps")
     for key, run in runs.items():
@@ -696,18 +754,23 @@ def predict(args: argparse.Namespace) -> int:
         say(f"#   {key}: {len(rounds)} round(s) at {when} UTC (load {load}), {len(run['sweeps_s']['mpi'][0])} sweeps, "
             f"commit {run.get('commit') or '?'}, {run['machine_ranks']} ranks on {run['cores']} cores, "
             f"{run.get('mpi_library', '')}")
-    models = [fit(runs[FIT_LAYOUT], constant) for _, constant in VARIANTS]
-    say("\n## Fitted on the 2-rank run up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
-        "byte passed over or sent; sum: per byte summed; the fault, the sleep and the per-byte growth come from "
-        "the probes)\n")
+    models = fit_all(runs)
+    say("\n## Fitted on the 2-rank runs up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
+        "byte passed over or sent; sum: per byte summed; the fault and the per-byte growth come from the probes; "
+        "one core: the run with both ranks on one core, its synchronisation's hand-over and its MPI step)\n")
     say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) | sum (ns/B) "
-        "| fault (us/page) | waiter sleep (us) |")
-    say("|---|---|---|---|---|---|---|---|---|")
+        "| fault (us/page) | one core: hand-over (us) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def us(value: float | None, fallback: float | None = None, scale: float = 1e6, digits: int = 2) -> str:
+        value = fallback if value is None else value
+        return "-" if value is None else f"{value * scale:.{digits}f}"
+
     for (name, _), m in zip(VARIANTS, models):
-        eager = m.a_mpi if m.a_eager is None else m.a_eager
-        say(f"| {name} | {m.a_window * 1e6:.2f} | {m.b_window * 1e9:.3f} | {m.a_mpi * 1e6:.2f} | {eager * 1e6:.2f} | "
-            f"{m.b_mpi * 1e9:.3f} | {m.reduce(1.0, 0) * 1e9:.3f} | {m.machine.fault * PAGE * 1e6:.2f} | "
-            f"{m.machine.sleep * 1e6:.0f} |")
+        say(f"| {name} | {us(m.a_window)} | {us(m.b_window, scale=1e9, digits=3)} | {us(m.a_mpi)} | "
+            f"{us(m.a_eager, m.a_mpi)} | {us(m.b_mpi, scale=1e9, digits=3)} | {us(m.reduce(1.0, 0), scale=1e9, digits=3)} "
+            f"| {us(m.machine.fault * PAGE)} | {us(m.a_window_core)} | {us(m.a_core)} | {us(m.a_core_eager, m.a_core)} | "
+            f"{us(m.b_core, scale=1e9, digits=3)} |")
     print_checks(checks(data, models), args.statistic, say)
     say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "
         + "; ".join(f"{statistic}: " + ", ".join(f"{name} {k}/{total}" for (name, _), (k, total)
@@ -720,17 +783,19 @@ def predict(args: argparse.Namespace) -> int:
 
 
 def measure_all(args: argparse.Namespace) -> int:
-    """The three measured layouts, one ``mpiexec`` each, then ``--predict``."""
+    """The four measured layouts, one ``mpiexec`` each, then ``--predict``."""
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
     if mpiexec is None:
         raise SystemExit("scale_model.py --all: no mpiexec next to this Python or on PATH")
     base = {k: v for k, v in os.environ.items() if k != "MPISTRAT_PRETEND_NODES"}
     common = ["--measure", "--data", args.data, "--repeats", str(args.repeats), "--budget", str(args.budget),
               "--max-size", str(args.max_size)]
+    core = min(os.sched_getaffinity(0))  # the same-core run's, one this process may use
+    layouts = ((2, None, "core"), (4, None, "core"), (4, 2, "core"), (2, None, f"user:{core},{core}"))
     for round_ in range(args.rounds):  # the first round replaces the layouts' entries, the others add sweeps
-        for ranks, pretend in ((2, None), (4, None), (4, 2)):
+        for ranks, pretend, bind in layouts:
             env = dict(base, MPISTRAT_PRETEND_NODES=str(pretend)) if pretend else base
-            cmd = [mpiexec, "--bind-to", "core", "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
+            cmd = [mpiexec, "--bind-to", bind, "-n", str(ranks), sys.executable, os.path.abspath(__file__)] + common
             cmd += ["--append"] if round_ or args.append else []
             prefix = f"MPISTRAT_PRETEND_NODES={pretend} " if pretend else ""
             print(f"# round {round_ + 1}/{args.rounds}: {prefix}{' '.join(cmd)}", flush=True)
@@ -764,11 +829,11 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--measure", action="store_true", help="time this layout (under mpiexec)")
     mode.add_argument("--predict", action="store_true", help="fit, check and project from --data (no MPI)")
-    mode.add_argument("--all", action="store_true", help="measure the three layouts (mpiexec), then predict")
+    mode.add_argument("--all", action="store_true", help="measure the four layouts (mpiexec), then predict")
     parser.add_argument("--data", default=DEFAULT_DATA, help="the measurements (JSON; default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=2, help="sweeps over the sizes per measurement")
     parser.add_argument("--append", action="store_true", help="--measure: add the sweeps to the layout's in --data")
-    parser.add_argument("--rounds", type=int, default=3, help="--all: measure the three layouts this many times")
+    parser.add_argument("--rounds", type=int, default=5, help="--all: measure the four layouts this many times")
     parser.add_argument("--statistic", choices=STATISTICS, default="min",
                         help="--predict: of a size's sweeps, the one fitted and checked (default: %(default)s)")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per size and sweep")

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -32,7 +34,7 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
     shm, private, fault = _probe_times(sizes)
     run = {"ranks": ranks, "nodes": nodes, "local": ranks // nodes, "pretend": nodes > 1, "machine_ranks": ranks,
            "cores": cores, "sizes": sizes,
-           "time_s": {"shm_pass": shm, "private_pass": private, "fault": fault}, "sleep_s": 70e-6}
+           "time_s": {"shm_pass": shm, "private_pass": private, "fault": fault}}
     if truth is not None:
         for path in sm.PATHS:
             run["time_s"][path] = [truth.measured_layout(path, n, ranks, nodes, cores) for n in sizes]
@@ -42,20 +44,32 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
 
 def _truth() -> sm.Model:
     machine = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=False)
-    return sm.Model(machine, a_window=3e-6, b_window=0.1e-9, a_mpi=2.5e-6, b_mpi=0.25e-9, a_eager=1.5e-6)
+    return sm.Model(machine, a_window=3e-6, b_window=0.1e-9, a_mpi=2.5e-6, b_mpi=0.25e-9, a_eager=1.5e-6,
+                    a_window_core=20e-6, a_core=9e-6, b_core=0.4e-9, a_core_eager=6e-6)
+
+
+CORE_FIELDS = ("a_window_core", "a_core", "b_core", "a_core_eager")
 
 
 def _data(truth: sm.Model) -> dict:
-    layouts = {sm.FIT_LAYOUT: (2, 1), "4 ranks, 1 node": (4, 1), "4 ranks, 2 pretend nodes": (4, 2)}
-    return {"format": 1, "runs": {key: _run(truth, r, k, 2, sm.SIZES) for key, (r, k) in layouts.items()}}
+    layouts = {sm.FIT_LAYOUT: (2, 1, 2), "4 ranks, 1 node": (4, 1, 2), "4 ranks, 2 pretend nodes": (4, 2, 2),
+               sm.SAME_CORE_LAYOUT: (2, 1, 1)}
+    return {"format": 1, "runs": {key: _run(truth, r, k, c, sm.SIZES) for key, (r, k, c) in layouts.items()}}
 
 
 def test_the_fit_recovers_the_parameters_the_times_came_from():
     truth = _truth()
-    fitted = sm.fit(_data(truth)["runs"][sm.FIT_LAYOUT], constant=False)
-    for name in ("a_window", "b_window", "a_mpi", "b_mpi", "a_eager"):
+    runs = _data(truth)["runs"]
+    fitted = sm.fit(runs[sm.FIT_LAYOUT], constant=False, core_run=runs[sm.SAME_CORE_LAYOUT])
+    for name in ("a_window", "b_window", "a_mpi", "b_mpi", "a_eager") + CORE_FIELDS:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     assert fitted.machine.fault == pytest.approx(0.25e-6 / sm.PAGE)
+    alone = sm.fit(runs[sm.FIT_LAYOUT], constant=False)  # without the same-core run: nothing of it
+    assert all(getattr(alone, name) is None for name in CORE_FIELDS)
+    with pytest.raises(ValueError, match="the '2 ranks, 1 node, one core' run"):
+        alone.measured_layout("window", 1 << 20, 4, 1, 2)
+    with pytest.raises(ValueError, match="the '2 ranks, 1 node, one core' run"):
+        alone.measured_layout("mpi", 1 << 20, 4, 1, 2)
 
 
 def test_the_fit_uses_nothing_above_one_mebibyte():
@@ -71,10 +85,10 @@ def test_the_fit_uses_nothing_above_one_mebibyte():
 def test_exact_times_give_zero_errors_on_every_held_out_layout():
     truth = _truth()
     data = _data(truth)
-    models = [sm.fit(data["runs"][sm.FIT_LAYOUT], constant) for _, constant in sm.VARIANTS]
+    models = sm.fit_all(data["runs"])
     found = sm.checks(data, models)
     layouts = {c.layout for c in found if not c.fitted}
-    assert layouts == set(data["runs"])
+    assert layouts == set(data["runs"]) - {sm.SAME_CORE_LAYOUT}  # a fit input, like the probes
     memory = [abs(c.errors()[1]) for c in found]
     assert max(memory) < 1e-6
     # The constant-cost variant cannot follow the probes' rise with the working set.
@@ -136,14 +150,34 @@ def test_mpi_steps_below_the_kernel_copy_threshold_take_the_shorter_latency():
     assert model.mpi_step(below, 0) == pytest.approx(model.a_mpi + model.b_mpi * below)
 
 
-def test_ranks_beyond_the_cores_scale_the_work_and_sleep_in_each_sync():
+def test_ranks_sharing_cores_run_one_after_the_other_and_hand_the_core_over_in_each_sync():
     model = _truth()
     n, ws = 1 << 20, 4 << 20
     work = model.b_window * n * model.machine.growth("shm", ws)
     assert model.measured_layout("window", n, 4, 1, 4) == pytest.approx(2 * model.a_window + work)
     assert model.measured_layout("window", n, 4, 1, 2) == pytest.approx(
-        2 * (model.a_window + model.machine.sleep) + 2 * work)
-    assert model.measured_layout("mpi", n, 4, 1, 2) == pytest.approx(2 * model.mpi_machine(n, 4, ws))
+        2 * (model.a_window + model.a_window_core) + 2 * work)
+    assert model.measured_layout("window", n, 2, 1, 1) == pytest.approx(  # one core: no cross-core part
+        2 * model.a_window_core + 2 * model.b_window * n * model.machine.growth("shm", 2 * n))
+
+
+def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
+    # 4 ranks on 2 cores, rank r on core r % 2: step 1 pairs ranks 1 apart (two cores, each core copying
+    # for its two ranks), step 2 ranks 2 apart (one core, one pair on each).
+    model = _truth()
+    n, ws = 1 << 20, 4 << 20
+    expected = (2 * 2 * model.mpi_step(n / 2, ws) + 2 * model.core_step(n / 4)
+                + 2 * (model.reduce(n / 2, ws) + model.reduce(n / 4, ws)) + 2 * model.faults(n, 4))
+    assert model.measured_layout("mpi", n, 4, 1, 2) == pytest.approx(expected)
+    assert model.core_step(sm.MPICH_CMA_MIN) == pytest.approx(model.a_core + model.b_core * sm.MPICH_CMA_MIN)
+    assert model.core_step(1024) == pytest.approx(model.a_core_eager + model.b_core * 1024)
+    # On pretend nodes the slice owners 2 ranks apart, both on one core, all-reduce across the nodes.
+    one_node = model.measured_layout("window", n, 4, 1, 2)
+    cross = 2 * model.core_step(n / 4) + 2 * model.reduce(n / 4, ws / 2)
+    assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(one_node + cross)
+    big = 64 << 20  # MPICH's scratch buffer faults in on both ranks of each core
+    assert model.mpi_machine(big, 2, 2 * big, per_core=2, cores=1) == pytest.approx(
+        2 * model.core_step(big / 2) + 2 * model.reduce(big / 2, 2 * big) + 2 * model.faults(big, 2))
 
 
 def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
@@ -223,6 +257,12 @@ def test_predict_names_what_is_missing(tmp_path):
     (tmp_path / "nofit.json").write_text(json.dumps(no_fit))
     with pytest.raises(SystemExit, match="no '2 ranks, 1 node' run"):
         sm.main(["--predict", "--data", str(tmp_path / "nofit.json")])
+    no_core = _data(_truth())
+    del no_core["runs"][sm.SAME_CORE_LAYOUT]
+    (tmp_path / "nocore.json").write_text(json.dumps(no_core))
+    with pytest.raises(SystemExit, match="'4 ranks, 1 node', '4 ranks, 2 pretend nodes' put ranks on a shared core.*"
+                                         "bind-to user:0,0"):
+        sm.main(["--predict", "--data", str(tmp_path / "nocore.json")])
 
 
 def test_predictions_are_judged_on_the_statistic_of_the_sweeps_asked_for(tmp_path, capsys):
@@ -248,22 +288,22 @@ def test_predictions_are_judged_on_the_statistic_of_the_sweeps_asked_for(tmp_pat
 
 def test_appended_sweeps_join_the_earlier_ones_and_keep_each_rounds_facts():
     first, second = _run(_truth(), 4, 1, 2, sm.SIZES), _run(_truth(), 4, 1, 2, sm.SIZES)
-    for run, when, sleep in ((first, "10:00", 60e-6), (second, "10:05", 80e-6)):
-        run.update(when_utc=when, seconds=20.0, load_average=[[1.0], [1.0]], commit="abc", sleep_s=sleep,
+    for run, when in ((first, "10:00"), (second, "10:05")):
+        run.update(when_utc=when, seconds=20.0, load_average=[[1.0], [1.0]], commit="abc",
                    iterations=[[10] for _ in sm.SIZES])
     second["sweeps_s"]["mpi"] = [[2 * s[0]] for s in second["sweeps_s"]["mpi"]]
     merged = sm._appended(first, second)
     assert merged["sweeps_s"]["mpi"][3] == [first["sweeps_s"]["mpi"][3][0], 2 * first["sweeps_s"]["mpi"][3][0]]
     assert merged["median_s"]["mpi"][3] == pytest.approx(1.5 * first["sweeps_s"]["mpi"][3][0])
     assert merged["iterations"][0] == [10, 10] and merged["seconds"] == 40.0
-    assert [r["when_utc"] for r in merged["rounds"]] == ["10:00", "10:05"] and merged["sleep_s"] == pytest.approx(70e-6)
+    assert [r["when_utc"] for r in merged["rounds"]] == ["10:00", "10:05"]
     other = _run(_truth(), 2, 1, 2, sm.SIZES)
     with pytest.raises(ValueError, match="ranks=4.*measure without --append"):
         sm._appended(first, other)
-    third = dict(second, when_utc="10:10", sleep_s=90e-6)
+    third = dict(second, when_utc="10:10")
     again = sm._appended(merged, third)  # onto an entry that has rounds already
     assert [r["when_utc"] for r in again["rounds"]] == ["10:00", "10:05", "10:10"] and again["when_utc"] == "10:00"
-    assert len(again["sweeps_s"]["mpi"][0]) == 3 and again["sleep_s"] == pytest.approx(80e-6)
+    assert len(again["sweeps_s"]["mpi"][0]) == 3
     big = sm.SIZES.index(2 * sm.FIT_MAX)  # the fault probe stops at 1 MiB: nothing measured stays None
     assert again["sweeps_s"]["fault"][big] == [] and again["median_s"]["fault"][big] is None
 
@@ -286,9 +326,39 @@ def test_append_is_checked_before_measuring_and_the_file_keeps_only_measurements
 
 
 def test_the_fit_refuses_an_oversubscribed_or_wrong_layout():
-    run = _data(_truth())["runs"]["4 ranks, 1 node"]
+    runs = _data(_truth())["runs"]
     with pytest.raises(ValueError, match="needs the '2 ranks, 1 node' run"):
-        sm.fit(run, constant=False)
+        sm.fit(runs["4 ranks, 1 node"], constant=False)
+    with pytest.raises(ValueError, match="needs the '2 ranks, 1 node' run, 2 ranks with a core per rank"):
+        sm.fit(runs[sm.SAME_CORE_LAYOUT], constant=False)
+    with pytest.raises(ValueError, match="needs the '2 ranks, 1 node, one core' run, 2 ranks with both ranks on one"):
+        sm.fit(runs[sm.FIT_LAYOUT], constant=False, core_run=runs["4 ranks, 1 node"])
+
+
+def test_layout_keys_name_a_shared_core():
+    assert sm.layout_key(2, 1, False) == sm.FIT_LAYOUT
+    assert sm.layout_key(2, 1, False, one_core=True) == sm.SAME_CORE_LAYOUT
+    assert sm.layout_key(4, 2, True) == "4 ranks, 2 pretend nodes"
+
+
+@pytest.mark.timeout(150)
+def test_measure_on_one_core_writes_the_same_core_layout_with_private_faults(tmp_path):
+    """A real --measure with both ranks bound to one core: the entry the fit reads, its placement recorded."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("no mpiexec next to the Python interpreter (install mpistrat[mpich])")
+    core = min(os.sched_getaffinity(0))
+    data = tmp_path / "sm.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_"))}
+    cmd = ["timeout", "-k", "10", "100", mpiexec, "-bind-to", f"user:{core},{core}", "-n", "2", sys.executable, _PATH,
+           "--measure", "--data", str(data), "--max-size", "1M", "--repeats", "1", "--budget", "0.01"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=130, env=env, stdin=subprocess.DEVNULL,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = sm.load_data(str(data))["runs"][sm.SAME_CORE_LAYOUT]
+    assert run["cores"] == 1 and run["machine_ranks"] == 2 and run["affinity"] == [[core], [core]]
+    assert all(t is not None and t > 0 for t in run["time_s"]["fault"])  # every size up to 1 MiB
+    assert "sleep_s" not in run
 
 
 @pytest.mark.parametrize("argv, message", [
