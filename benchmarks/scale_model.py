@@ -27,13 +27,14 @@ It merges the layout's sweep medians into ``--data`` (JSON, one entry per layout
 no MPI: it takes per size the least of its sweeps (``--statistic min``, the default: the model has no
 term for other programs on the machine, and they only ever add time; this VM's speed changes up to 3x
 between sweeps, benchmarks/README.md) or their median, fits each path on the 2-rank runs up to 1 MiB
-only (a core per rank; both ranks on one core), predicts every other measurement (2 ranks above 1 MiB, 4 ranks, 4 ranks on 2 pretend nodes)
-with its error, prints how many predictions fall within 20% under both statistics, and projects the
+only (a core per rank; both ranks on one core), predicts every other measurement (2 ranks above
+1 MiB, 4 ranks, 4 ranks on 2 pretend nodes) with its error, prints how many predictions fall within 20% under both statistics, and projects the
 flat and the hierarchical path to clusters. Each path's form follows its code (benchmarks/README.md,
 "scale_model.py", has the sources):
 
-* window, one node: two node synchronisations (``a_w`` each) and, per rank, a pass over n bytes (its slice summed across the node's segments, then
-  pushed into the others: n read, n written): ``2 a_w + b_w n``;
+* window, one node: two node synchronisations (``a_w`` each) and, per rank, a pass over n bytes (its
+  slice summed across the node's segments, then pushed into the others: n read, n written):
+  ``2 a_w + b_w n``;
 * MPI within a node: MPICH's reduce-scatter + all-gather (Rabenseifner), ``log2 p`` steps each way,
   step k sending ``n / 2^k`` bytes (``a_m + b_m x``: a step of 8 KiB or more is a kernel copy after a
   handshake, a shorter one goes through MPICH's shared cells with a latency of its own) and the
@@ -616,9 +617,11 @@ def _fit_lines(run: dict[str, Any], rest_of: Callable[[float], float], growth: C
     return a_w, b_w, a_m, b_m, eager
 
 
-def _check_layout(run: dict[str, Any], key: str, cores: int) -> None:
-    if run["ranks"] != 2 or run["nodes"] != 1 or run["cores"] != cores or run["machine_ranks"] != 2:
-        where = "a core per rank" if cores == 2 else "both ranks on one core"
+def _check_layout(run: dict[str, Any], key: str, one_core: bool) -> None:
+    """ValueError unless ``run`` is 2 ranks on one node, with a core per rank or (``one_core``) one core."""
+    placed = run["cores"] == 1 if one_core else run["cores"] >= 2
+    if run["ranks"] != 2 or run["nodes"] != 1 or run["machine_ranks"] != 2 or not placed:
+        where = "both ranks on one core" if one_core else "a core per rank"
         raise ValueError(f"the fit needs the {key!r} run, 2 ranks with {where}, got {run['ranks']} ranks "
                          f"on {run['nodes']} node(s), {run['machine_ranks']} ranks on {run['cores']} cores")
 
@@ -626,13 +629,13 @@ def _check_layout(run: dict[str, Any], key: str, cores: int) -> None:
 def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = None) -> Model:
     """Each path's parameters up to ``FIT_MAX`` from the fit run (2 ranks, one node, a core each) and, when
     given, the same-core run (2 ranks on one core: what ranks that share a core pay)."""
-    _check_layout(run, FIT_LAYOUT, 2)
+    _check_layout(run, FIT_LAYOUT, one_core=False)
     machine = Machine.from_run(run, constant)
     model = Model(machine, 0.0, 0.0, 0.0, 0.0)
     model.a_window, model.b_window, model.a_mpi, model.b_mpi, model.a_eager = _fit_lines(
         run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2), lambda s: machine.growth("shm", 2 * s))
     if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
-        _check_layout(core_run, SAME_CORE_LAYOUT, 1)
+        _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
         model.a_window_core, _, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
             core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)),
             lambda s: machine.growth("shm", 2 * s), window_b=2 * model.b_window)

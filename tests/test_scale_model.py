@@ -333,6 +333,8 @@ def test_the_fit_refuses_an_oversubscribed_or_wrong_layout():
         sm.fit(runs[sm.SAME_CORE_LAYOUT], constant=False)
     with pytest.raises(ValueError, match="needs the '2 ranks, 1 node, one core' run, 2 ranks with both ranks on one"):
         sm.fit(runs[sm.FIT_LAYOUT], constant=False, core_run=runs["4 ranks, 1 node"])
+    unbound = dict(runs[sm.FIT_LAYOUT], cores=16)  # ranks free to run on all of a machine's cores: a core each
+    assert sm.fit(unbound, constant=False).a_mpi == pytest.approx(sm.fit(runs[sm.FIT_LAYOUT], constant=False).a_mpi)
 
 
 def test_layout_keys_name_a_shared_core():
