@@ -344,7 +344,7 @@ def test_layout_keys_name_a_shared_core():
 
 
 @pytest.mark.timeout(150)
-def test_measure_on_one_core_writes_the_same_core_layout_with_private_faults(tmp_path):
+def test_measure_on_one_core_writes_the_same_core_layout_and_its_fault_probe(tmp_path):
     """A real --measure with both ranks bound to one core: the entry the fit reads, its placement recorded."""
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
     if mpiexec is None:
