@@ -21,15 +21,17 @@ The paths and probes:
   on pretend nodes, the hierarchical path;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
   out=a)`` over the halves of an n-byte region of node shared memory / of a private array, every rank
-  at once) and ``fault`` (first touch of a fresh n-byte private anonymous mapping, up to 1 MiB).
+  at once) and ``fault`` (first touch of a fresh n-byte private anonymous mapping, up to 1 MiB,
+  once per ``--measure``, after the sweeps: one value per round, not per sweep).
 
 It merges the layout's sweep medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs
 no MPI: it takes per size the least of its sweeps (``--statistic min``, the default: the model has no
 term for other programs on the machine, and they only ever add time; this VM's speed changes up to 3x
 between sweeps, benchmarks/README.md) or their median, fits each path on the 2-rank runs up to 1 MiB
 only (a core per rank; both ranks on one core), predicts every other measurement (2 ranks above
-1 MiB, 4 ranks, 4 ranks on 2 pretend nodes) with its error, prints how many predictions fall within 20% under both statistics, and projects the
-flat and the hierarchical path to clusters. Each path's form follows its code (benchmarks/README.md,
+1 MiB, 4 ranks, 4 ranks on 2 pretend nodes; the same-core run is a fit input, like the probes, and
+is not judged) with its error, prints how many predictions fall within 20% under both statistics,
+and projects the flat and the hierarchical path to clusters. Each path's form follows its code (benchmarks/README.md,
 "scale_model.py", has the sources):
 
 * window, one node: two node synchronisations (``a_w`` each) and, per rank, a pass over n bytes (its
@@ -105,6 +107,9 @@ PATHS = ("mpi", "window")
 PROBES = ("shm_pass", "private_pass", "fault")
 FIT_LAYOUT = "2 ranks, 1 node"
 SAME_CORE_LAYOUT = "2 ranks, 1 node, one core"  # fitted too: what ranks that share a core pay
+# How the fault probe is taken, recorded with each run: before e8d4a94 it mapped shared pages (shmem,
+# about twice a private page's fault) among the timed paths, and such a file's runs lack the field.
+FAULT_PROBE = "private pages, after the sweeps"
 STATISTICS = ("min", "median")  # of a size's sweeps
 SWEEP_ORDER_SEED = 20261127  # the sizes' order in sweep k: the same on every rank
 
@@ -176,7 +181,8 @@ def measure(args: argparse.Namespace) -> int:
     key = layout_key(world.Get_size(), lay.num_nodes, lay.pretend, one_core=cores == 1)
     facts = {"ranks": world.Get_size(), "nodes": lay.num_nodes, "local": lay.local_size, "machine_ranks": machine_ranks,
              "cores": cores, "sizes": sizes, "window": window.describe(),
-             "mpi_library": MPI.Get_library_version().splitlines()[0].strip(), "commit": _commit()}
+             "mpi_library": MPI.Get_library_version().splitlines()[0].strip(), "commit": _commit(),
+             "fault_probe": FAULT_PROBE}
     stored = 0  # sweeps of this layout already in the file (--append): the next sweep's order follows them
     if args.append:
         problem, stored = world.bcast(_append_state(args.data, key, facts) if world.Get_rank() == 0 else None, root=0)
@@ -221,7 +227,8 @@ def measure(args: argparse.Namespace) -> int:
     for i, size in enumerate(sizes):
         if size <= FIT_MAX:
             probe = [fault_probe(size)]
-            medians["fault"][i].append(statistics.median(samples(world, probe, choose_iters(world, probe, args.budget))[:, 0]))
+            n_iter = choose_iters(world, probe, args.budget)
+            medians["fault"][i].append(statistics.median(samples(world, probe, n_iter)[:, 0]))
     run = {
         **facts, "pretend": lay.pretend, "affinity": affinity,
         "median_s": {name: [statistics.median(v) if v else None for v in medians[name]] for name in names},
@@ -284,8 +291,9 @@ def _merge(path: str, key: str, run: dict[str, Any], append: bool = False) -> No
 
 
 _LAYOUT_FIELDS = ("ranks", "nodes", "local", "machine_ranks", "cores", "sizes")
-_APPEND_FIELDS = _LAYOUT_FIELDS + ("window", "mpi_library", "commit")  # the same on every round of a layout
-_ROUND_FIELDS = ("when_utc", "seconds", "load_average", "argv")
+# the same on every round of a layout
+_APPEND_FIELDS = _LAYOUT_FIELDS + ("window", "mpi_library", "commit", "fault_probe")
+_ROUND_FIELDS = ("when_utc", "seconds", "load_average", "argv", "affinity")
 
 
 def _mismatch(earlier: dict[str, Any], facts: dict[str, Any]) -> str | None:
@@ -353,7 +361,8 @@ def sweep_statistic(sweeps_s: dict[str, list[list[float]]], statistic: str) -> d
 
 
 _MEASURE_HINT = "mpiexec -bind-to core -n 2 python benchmarks/scale_model.py --measure (or --all)"
-_MEASURE_ALL_HINT = "measure it: mpiexec -bind-to user:0,0 -n 2 python benchmarks/scale_model.py --measure (or --all)"
+_SAME_CORE_HINT = ("measure it: mpiexec -bind-to user:C,C -n 2 python benchmarks/scale_model.py --measure, "
+                   "C a core this job may use (or --all)")
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -458,7 +467,7 @@ class Model:
         """One MPI message step of ``x`` bytes between two ranks of one core, both ranks' copies on it (the
         same-core run's fit; ``mpi_step``'s two protocols)."""
         if self.a_core is None or self.b_core is None:
-            raise ValueError(f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_MEASURE_ALL_HINT}")
+            raise ValueError(f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_SAME_CORE_HINT}")
         latency = self.a_core if x >= MPICH_CMA_MIN or self.a_core_eager is None else self.a_core_eager
         return latency + self.b_core * x
 
@@ -503,6 +512,8 @@ class Model:
         outnumber cores, each core runs its ranks' work one after the other (:meth:`mpi_machine` for
         MPI), and a node synchronisation costs what it costs between two ranks of one core (the
         hand-over) besides, with ranks on several cores, what it costs between two cores."""
+        if ranks > cores and ranks % cores:
+            raise ValueError(f"{ranks} ranks on {cores} cores: the model takes ranks that share cores evenly")
         per_core = max(1, ranks // cores)
         local = ranks // nodes
         ws = ranks * n
@@ -511,7 +522,7 @@ class Model:
         sync = self.a_window if cores > 1 else 0.0
         if per_core > 1:
             if self.a_window_core is None:
-                raise ValueError(f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_MEASURE_ALL_HINT}")
+                raise ValueError(f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_SAME_CORE_HINT}")
             sync += self.a_window_core
         t = 2 * sync + per_core * (self.window_node(n, ws) - self.window_node(0, ws))
         if nodes > 1:  # every slice owner all-reduces its n/local bytes with its peers on the other nodes
@@ -752,7 +763,7 @@ def predict(args: argparse.Namespace) -> int:
     shared = [key for key, run in runs.items() if run["machine_ranks"] > run["cores"] and key != SAME_CORE_LAYOUT]
     if shared and SAME_CORE_LAYOUT not in runs:
         raise SystemExit(f"{args.data}: {', '.join(map(repr, shared))} put ranks on a shared core, which needs the "
-                         f"{SAME_CORE_LAYOUT!r} run; {_MEASURE_ALL_HINT}")
+                         f"{SAME_CORE_LAYOUT!r} run; {_SAME_CORE_HINT}")
     say = print
     say(f"# scale_model --predict: {args.data}, the {args.statistic} of each size's sweeps")
     for key, run in runs.items():
@@ -762,12 +773,15 @@ def predict(args: argparse.Namespace) -> int:
         say(f"#   {key}: {len(rounds)} round(s) at {when} UTC (load {load}), {len(run['sweeps_s']['mpi'][0])} sweeps, "
             f"commit {run.get('commit') or '?'}, {run['machine_ranks']} ranks on {run['cores']} cores, "
             f"{run.get('mpi_library', '')}")
+        if run.get("fault_probe") != FAULT_PROBE:
+            say(f"#     its fault probe is not {FAULT_PROBE!r} (a file from before e8d4a94: shared pages, about "
+                "twice the fault cost of MPICH's private ones); measure it again")
     models = fit_all(runs)
     say("\n## Fitted on the 2-rank runs up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
         "byte passed over or sent; sum: per byte summed; the fault and the per-byte growth come from the probes; "
         "one core: the run with both ranks on one core, its synchronisation's hand-over and its MPI step)\n")
-    say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) | sum (ns/B) "
-        "| fault (us/page) | one core: hand-over (us) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
+    say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) "
+        "| sum (ns/B) | fault (us/page) | one core: hand-over (us) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def us(value: float | None, fallback: float | None = None, scale: float = 1e6, digits: int = 2) -> str:
@@ -776,8 +790,9 @@ def predict(args: argparse.Namespace) -> int:
 
     for (name, _), m in zip(VARIANTS, models):
         say(f"| {name} | {us(m.a_window)} | {us(m.b_window, scale=1e9, digits=3)} | {us(m.a_mpi)} | "
-            f"{us(m.a_eager, m.a_mpi)} | {us(m.b_mpi, scale=1e9, digits=3)} | {us(m.reduce(1.0, 0), scale=1e9, digits=3)} "
-            f"| {us(m.machine.fault * PAGE)} | {us(m.a_window_core)} | {us(m.a_core)} | {us(m.a_core_eager, m.a_core)} | "
+            f"{us(m.a_eager, m.a_mpi)} | {us(m.b_mpi, scale=1e9, digits=3)} | "
+            f"{us(m.reduce(1.0, 0), scale=1e9, digits=3)} | {us(m.machine.fault * PAGE)} | {us(m.a_window_core)} | "
+            f"{us(m.a_core)} | {us(m.a_core_eager, m.a_core)} | "
             f"{us(m.b_core, scale=1e9, digits=3)} |")
     print_checks(checks(data, models), args.statistic, say)
     say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "
