@@ -363,6 +363,7 @@ def sweep_statistic(sweeps_s: dict[str, list[list[float]]], statistic: str) -> d
 _MEASURE_HINT = "mpiexec -bind-to core -n 2 python benchmarks/scale_model.py --measure (or --all)"
 _SAME_CORE_HINT = ("measure it: mpiexec -bind-to user:C,C -n 2 python benchmarks/scale_model.py --measure, "
                    "C a core this job may use (or --all)")
+_NO_SAME_CORE = f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_SAME_CORE_HINT}"
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -467,7 +468,7 @@ class Model:
         """One MPI message step of ``x`` bytes between two ranks of one core, both ranks' copies on it (the
         same-core run's fit; ``mpi_step``'s two protocols)."""
         if self.a_core is None or self.b_core is None:
-            raise ValueError(f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_SAME_CORE_HINT}")
+            raise ValueError(_NO_SAME_CORE)
         latency = self.a_core if x >= MPICH_CMA_MIN or self.a_core_eager is None else self.a_core_eager
         return latency + self.b_core * x
 
@@ -522,7 +523,7 @@ class Model:
         sync = self.a_window if cores > 1 else 0.0
         if per_core > 1:
             if self.a_window_core is None:
-                raise ValueError(f"ranks that share a core need the {SAME_CORE_LAYOUT!r} run; {_SAME_CORE_HINT}")
+                raise ValueError(_NO_SAME_CORE)
             sync += self.a_window_core
         t = 2 * sync + per_core * (self.window_node(n, ws) - self.window_node(0, ws))
         if nodes > 1:  # every slice owner all-reduces its n/local bytes with its peers on the other nodes
@@ -607,17 +608,18 @@ def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: floa
     return float(a), float(b)
 
 
-def _fit_lines(run: dict[str, Any], rest_of: Callable[[float], float], growth: Callable[[float], float],
+def _fit_lines(run: dict[str, Any], machine: Machine, rest_of: Callable[[float], float],
                window_b: float | None = None) -> tuple[float, float, float, float, float | None]:
     """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and a pass
-    over n bytes, ``growth(n)`` dearer; ``window_b`` given: ``a`` alone), and MPI's ``a``, ``b`` and the short
-    steps' latency (None where every step is a kernel copy): one step each way of n/2 bytes plus
-    ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies, the
+    over n bytes, ``machine.growth`` at 2n dearer; ``window_b`` given: ``a`` alone), and MPI's ``a``, ``b``
+    and the short steps' latency (None where every step is a kernel copy): one step each way of n/2 bytes
+    plus ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies, the
     shorter steps' latency beside them."""
     sizes = np.array(run["sizes"], dtype=float)
     n = sizes[sizes <= FIT_MAX]
     window_t = np.array(run["time_s"]["window"], dtype=float)[: len(n)]
-    a_w, b_w = _fit_line(n * np.array([growth(s) for s in n]), np.zeros_like(n), window_t, 2, b=window_b)
+    grown = n * np.array([machine.growth("shm", 2 * s) for s in n])
+    a_w, b_w = _fit_line(grown, np.zeros_like(n), window_t, 2, b=window_b)
     mpi_t = np.array(run["time_s"]["mpi"], dtype=float)[: len(n)]
     rest = np.array([rest_of(s) for s in n])
     cma = n / 2 >= MPICH_CMA_MIN
@@ -644,12 +646,12 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
     machine = Machine.from_run(run, constant)
     model = Model(machine, 0.0, 0.0, 0.0, 0.0)
     model.a_window, model.b_window, model.a_mpi, model.b_mpi, model.a_eager = _fit_lines(
-        run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2), lambda s: machine.growth("shm", 2 * s))
+        run, machine, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2))
     if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
         _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
         model.a_window_core, _, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
-            core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)),
-            lambda s: machine.growth("shm", 2 * s), window_b=2 * model.b_window)
+            core_run, machine, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)),
+            window_b=2 * model.b_window)
     return model
 
 
