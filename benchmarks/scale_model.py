@@ -34,9 +34,11 @@ is not judged) with its error, prints how many predictions fall within 20% under
 and projects the flat and the hierarchical path to clusters. Each path's form follows its code (benchmarks/README.md,
 "scale_model.py", has the sources):
 
-* window, one node: two node synchronisations (``a_w`` each) and, per rank, a pass over n bytes (its
-  slice summed across the node's segments, then pushed into the others: n read, n written):
-  ``2 a_w + b_w n``;
+* window, one node: two node synchronisations (``a_w`` each) and, per rank, the bytes its reduce
+  plan writes (``window_writes``, from ``make_plan``): on two ranks one pass, its slice of the two
+  segments summed (n/2) and pushed into the other (n/2); on p ranks each later segment summed into
+  the slice ((p-1) n/p) and the slice pushed into the p-1 others ((p-1) n/p), and from local rank 2
+  up, summed aside, copied back (n/p): ``2 a_w + b_w w n``, w = 1 on two ranks, 1.5 and 1.75 on four;
 * MPI within a node: MPICH's reduce-scatter + all-gather (Rabenseifner), ``log2 p`` steps each way,
   step k sending ``n / 2^k`` bytes (``a_m + b_m x``: a step of 8 KiB or more is a kernel copy after a
   handshake, a shorter one goes through MPICH's shared cells with a latency of its own) and the
@@ -52,9 +54,10 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   other, a step between ranks of one core (ranks 2^(k-1) apart, a multiple of the cores) the same-core
   run's step.
 
-Two variants are checked: ``alpha-beta`` (constant per-byte costs) and ``+cache`` (the window's
-per-byte cost and the sums' grow beyond the fit's working set as the probes' pass cost grows: the
-fit's sizes stay in cache, the held-out ones do not). The projection uses ``+cache``.
+Two variants are checked: ``alpha-beta`` (constant per-byte costs) and ``+cache`` (beyond the fit's
+working set, a byte the window writes or a sum reads costs what the probe's pass costs more there than
+at the fit's largest, on top of its fitted cost: the fit's sizes stay in cache, the held-out ones do
+not). The projection uses ``+cache``.
 
 The network's latency and bandwidth are parameters. The defaults are a published HDR InfiniBand
 figure, not measured or validated here: Microsoft's HBv3-series performance page gives 1.2 us
@@ -389,12 +392,13 @@ class Machine:
         costs = self.shm if kind == "shm" else self.private
         return float(np.interp(math.log2(max(ws, 1.0)), np.log2(self.ws), costs))
 
-    def growth(self, kind: str, ws: float) -> float:
-        """How much dearer a byte is at working set ``ws`` than at the fit's largest (``2 * FIT_MAX``):
-        the pass cost's ratio, never below 1; always 1 for the plain model."""
+    def extra(self, kind: str, ws: float) -> float:
+        """Seconds a byte of a pass over memory of ``kind`` costs more at working set ``ws`` than at the
+        fit's largest (``2 * FIT_MAX``), never below 0; always 0 for the plain model. The misses add to
+        the in-cache cost, whatever else that cost holds (the window's pushes, its Python calls)."""
         if self.constant or ws <= 2.0 * FIT_MAX:
-            return 1.0
-        return max(1.0, self.pass_cost(kind, ws) / self.pass_cost(kind, 2.0 * FIT_MAX))
+            return 0.0
+        return max(0.0, self.pass_cost(kind, ws) - self.pass_cost(kind, 2.0 * FIT_MAX))
 
     @classmethod
     def from_run(cls, run: dict[str, Any], constant: bool) -> Machine:
@@ -421,16 +425,39 @@ class Network:
     bandwidth: float
 
 
+def window_writes(local: int, local_rank: int) -> float:
+    """Bytes the window's reduce plan (``mpistrat/comm/transport/shm/plan.py``, ``make_plan``) has node rank
+    ``local_rank`` of ``local`` write per byte of the bucket: on two ranks one pass, its slice of the two
+    segments summed (n/2) and pushed into the other segment (n/2); on more, each segment after the first
+    two summed into the slice ((p-1) n/p, block by block) and the slice pushed into the p-1 others
+    ((p-1) n/p), and from local rank 2 up, whose own segment comes later in the summing order and is
+    summed aside, the copy back (n/p)."""
+    if local < 2:
+        return 0.0
+    aside = 1.0 / local if local > 2 and local_rank >= 2 else 0.0
+    return 2.0 * (local - 1) / local + aside
+
+
+def core_load(local: int, ranks: int, cores: int) -> float:
+    """The most bytes per byte of the bucket that one core's ranks write, one after the other, when
+    ``ranks`` in nodes of ``local`` sit round robin on ``cores`` cores (hydra's ``-bind-to core``: rank r
+    on core ``r % cores``; ranks numbered node by node)."""
+    loads = [0.0] * min(cores, ranks)
+    for r in range(ranks):
+        loads[r % cores] += window_writes(local, r % local)
+    return max(loads)
+
+
 @dataclass
 class Model:
     """Both paths' fitted parameters on one machine's costs.
 
-    ``a_window``: seconds per node synchronisation; ``b_window``: seconds per byte a rank passes over
-    (it reads n and writes n: its slice summed across the segments, then pushed into the others);
+    ``a_window``: seconds per node synchronisation; ``b_window``: seconds per byte a rank's reduce plan
+    writes (:func:`window_writes`: n on two ranks, its slice summed, then pushed into the other);
     ``a_mpi``: seconds per MPI message step of ``MPICH_CMA_MIN`` bytes or more (the kernel's copy and
     its handshake); ``a_eager``: per shorter step (MPICH's shared cells; None: ``a_mpi``); ``b_mpi``:
     seconds per byte sent. Summing a received ``x`` bytes costs the private pass over ``2 x`` bytes;
-    per-byte costs grow with the working set beyond the fit's (:meth:`Machine.growth`).
+    per-byte costs grow with the working set beyond the fit's (:meth:`Machine.extra`).
 
     Fitted on the 2-rank run with both ranks on one core (None without it): ``a_window_core``, seconds
     per node synchronisation of ranks that share a core (the hand-over of the core; the passes as
@@ -451,10 +478,14 @@ class Model:
     scratch_faults: bool = True  # False: as with MALLOC_MMAP_MAX_=0 (MPICH's scratch buffer stays mapped)
 
     # -- one machine (all ranks share its memory) --
-    def window_node(self, n: float, ws: float) -> float:
-        """The window's reduce-scatter and push on one node, a core per rank: two node synchronisations
-        and a pass over n bytes."""
-        return 2 * self.a_window + self.b_window * n * self.machine.growth("shm", ws)
+    def window_byte(self, ws: float) -> float:
+        """Seconds per byte the window's reduce plan writes at machine working set ``ws``."""
+        return self.b_window + self.machine.extra("shm", ws)
+
+    def window_node(self, n: float, local: int, ws: float) -> float:
+        """The window's reduce-scatter and push on a node of ``local`` ranks, a core per rank: two node
+        synchronisations and the slowest rank's plan."""
+        return 2 * self.a_window + core_load(local, local, local) * self.window_byte(ws) * n
 
     def mpi_step(self, x: float, ws: float) -> float:
         """One MPI message step of ``x`` bytes between ranks of one machine. MPICH copies a message of
@@ -474,7 +505,7 @@ class Model:
 
     def reduce(self, x: float, ws: float) -> float:
         """Summing a received ``x`` bytes into ``x`` bytes (the private pass over ``2 x`` bytes)."""
-        return 2 * x * self.machine.pass_cost("private", 2.0 * FIT_MAX) * self.machine.growth("private", ws)
+        return 2 * x * (self.machine.pass_cost("private", 2.0 * FIT_MAX) + self.machine.extra("private", ws))
 
     def faults(self, n: float, ranks: int) -> float:
         """MPICH's scratch buffer for the reduce-scatter (``n`` bytes), mapped afresh on every call from
@@ -511,8 +542,9 @@ class Model:
         """Predicted time of ``path`` on a layout of this machine: ``ranks`` over ``nodes`` (pretend)
         nodes (ranks numbered node by node), every rank on one machine of ``cores`` cores. Where ranks
         outnumber cores, each core runs its ranks' work one after the other (:meth:`mpi_machine` for
-        MPI), and a node synchronisation costs what it costs between two ranks of one core (the
-        hand-over) besides, with ranks on several cores, what it costs between two cores."""
+        MPI; for the window, :func:`core_load`), and a node synchronisation costs what it costs between
+        two ranks of one core (the hand-over) besides, with ranks on several cores, what it costs between
+        two cores."""
         if ranks > cores and ranks % cores:
             raise ValueError(f"{ranks} ranks on {cores} cores: the model takes ranks that share cores evenly")
         per_core = max(1, ranks // cores)
@@ -525,7 +557,7 @@ class Model:
             if self.a_window_core is None:
                 raise ValueError(_NO_SAME_CORE)
             sync += self.a_window_core
-        t = 2 * sync + per_core * (self.window_node(n, ws) - self.window_node(0, ws))
+        t = 2 * sync + core_load(local, ranks, cores) * self.window_byte(ws) * n
         if nodes > 1:  # every slice owner all-reduces its n/local bytes with its peers on the other nodes
             t += self.mpi_machine(n / local, nodes, ws / local, per_core, cores, stride=local)
         return t
@@ -585,7 +617,7 @@ class Model:
         if per_node == 1:
             return self.flat(n, ranks, per_node, net)
         ws = per_node * n
-        return self.window_node(n, ws) + self.net_allreduce(n / per_node, nodes, per_node, ws, net,
+        return self.window_node(n, per_node, ws) + self.net_allreduce(n / per_node, nodes, per_node, ws, net,
                                                             MPICH_IALLREDUCE_SHORT)
 
 
@@ -609,17 +641,19 @@ def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: floa
 
 
 def _fit_lines(run: dict[str, Any], machine: Machine, rest_of: Callable[[float], float],
-               window_b: float | None = None) -> tuple[float, float, float, float, float | None]:
-    """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and a pass
-    over n bytes, ``machine.growth`` at 2n dearer; ``window_b`` given: ``a`` alone), and MPI's ``a``, ``b``
+               window_b: float | None = None, passes: int = 1) -> tuple[float, float, float, float, float | None]:
+    """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and, on the
+    core that runs the most, ``passes`` plans of n bytes written, each byte ``machine.extra`` at 2n dearer;
+    ``window_b`` given: ``a`` alone), and MPI's ``a``, ``b``
     and the short steps' latency (None where every step is a kernel copy): one step each way of n/2 bytes
     plus ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies, the
     shorter steps' latency beside them."""
     sizes = np.array(run["sizes"], dtype=float)
     n = sizes[sizes <= FIT_MAX]
     window_t = np.array(run["time_s"]["window"], dtype=float)[: len(n)]
-    grown = n * np.array([machine.growth("shm", 2 * s) for s in n])
-    a_w, b_w = _fit_line(grown, np.zeros_like(n), window_t, 2, b=window_b)
+    written = passes * n  # window_writes: 1 per rank on two ranks
+    a_w, b_w = _fit_line(written, written * np.array([machine.extra("shm", 2 * s) for s in n]), window_t, 2,
+                         b=window_b)
     mpi_t = np.array(run["time_s"]["mpi"], dtype=float)[: len(n)]
     rest = np.array([rest_of(s) for s in n])
     cma = n / 2 >= MPICH_CMA_MIN
@@ -651,7 +685,7 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
         _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
         model.a_window_core, _, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
             core_run, machine, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)),
-            window_b=2 * model.b_window)
+            window_b=model.b_window, passes=2)
     return model
 
 

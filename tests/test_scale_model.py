@@ -106,8 +106,8 @@ def test_the_fit_never_returns_negative_parameters():
 def test_mpi_follows_reduce_scatter_allgather():
     model = _truth()
     n, ws = float(1 << 20), float(64 << 20)
-    sum_per_byte = 2 * model.machine.pass_cost("private", 2 * sm.FIT_MAX) * model.machine.growth("private", ws)
-    assert model.machine.growth("private", ws) > 1  # beyond the fit's working set
+    sum_per_byte = 2 * (model.machine.pass_cost("private", 2 * sm.FIT_MAX) + model.machine.extra("private", ws))
+    assert model.machine.extra("private", ws) > 0  # beyond the fit's working set
 
     def step(x: float) -> float:  # copied in the kernel: no growth
         return model.a_mpi + model.b_mpi * x
@@ -121,10 +121,47 @@ def test_per_byte_costs_grow_only_beyond_the_fit():
     variable = _truth().machine
     constant = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=True)
     for kind in ("shm", "private"):
-        assert variable.growth(kind, 2 * sm.FIT_MAX) == 1.0
-        assert variable.growth(kind, 4096) == 1.0  # small passes' per-call overhead is no growth
-        assert variable.growth(kind, 128 << 20) > 1.5
-        assert constant.growth(kind, 128 << 20) == 1.0
+        assert variable.extra(kind, 2 * sm.FIT_MAX) == 0.0
+        assert variable.extra(kind, 4096) == 0.0  # small passes' per-call overhead is no growth
+        # Beyond the fit: what the probe's pass costs more per byte there, added (not a ratio).
+        assert variable.extra(kind, 128 << 20) == pytest.approx(
+            variable.pass_cost(kind, 128 << 20) - variable.pass_cost(kind, 2 * sm.FIT_MAX))
+        assert variable.extra(kind, 128 << 20) > 0.5 * variable.pass_cost(kind, 2 * sm.FIT_MAX)
+        assert constant.extra(kind, 128 << 20) == 0.0
+
+
+def _plan_writes(local: int, local_rank: int, count: int = 24 << 10) -> float:
+    """Items the real reduce plan of ``local_rank`` writes (sums, copies back, pushes), per item of the
+    bucket."""
+    import numpy as np
+
+    from mpistrat.comm.transport.shm.plan import make_plan
+
+    views = [np.zeros(count, np.float32) for _ in range(local)]
+    bounds = [count * i // local for i in range(local + 1)]
+    step = 1 << 10
+    tmp = np.zeros(step, np.float32) if local > 2 and local_rank >= 2 else None  # as ShmTransport._make_plan
+    plan = make_plan(views, bounds, local_rank, local, True, step, tmp)
+    written = 0
+    for srcs, dst, back, targets, _, _ in plan.blocks:
+        written += (len(srcs) - 1) * dst.size  # the first sum writes dst, each later one again
+        written += (0 if back is None else back.size) + sum(t.size for t in targets)
+    return written / count
+
+
+@pytest.mark.parametrize("local", [2, 3, 4, 8])
+def test_window_writes_counts_what_the_reduce_plan_writes(local):
+    for local_rank in range(local):
+        assert sm.window_writes(local, local_rank) == pytest.approx(_plan_writes(local, local_rank)), local_rank
+    assert sm.window_writes(1, 0) == 0.0
+
+
+def test_a_core_writes_what_its_ranks_write_one_after_the_other():
+    # 4 ranks on 2 cores, rank r on core r % 2: ranks 0 and 2 (1.5 and 1.75 bytes per byte) share core 0.
+    assert sm.core_load(4, 4, 2) == pytest.approx(1.5 + 1.75)
+    assert sm.core_load(2, 4, 2) == 2.0  # 2 pretend nodes of 2: one pass per rank, two per core
+    assert sm.core_load(4, 4, 4) == 1.75  # a core each: the slowest rank
+    assert sm.core_load(2, 2, 1) == 2.0  # both ranks on one core
 
 
 def test_mpich_scratch_buffer_faults_only_from_glibc_mmap_maximum():
@@ -153,13 +190,14 @@ def test_mpi_steps_below_the_kernel_copy_threshold_take_the_shorter_latency():
 
 def test_ranks_sharing_cores_run_one_after_the_other_and_hand_the_core_over_in_each_sync():
     model = _truth()
-    n, ws = 1 << 20, 4 << 20
-    work = model.b_window * n * model.machine.growth("shm", ws)
-    assert model.measured_layout("window", n, 4, 1, 4) == pytest.approx(2 * model.a_window + work)
+    n, ws = 4 << 20, 16 << 20  # 4 ranks: ws = 4 n
+    byte = model.b_window + model.machine.extra("shm", ws)
+    assert model.window_byte(ws) == pytest.approx(byte) and byte > model.b_window
+    assert model.measured_layout("window", n, 4, 1, 4) == pytest.approx(2 * model.a_window + 1.75 * byte * n)
     assert model.measured_layout("window", n, 4, 1, 2) == pytest.approx(
-        2 * (model.a_window + model.a_window_core) + 2 * work)
+        2 * (model.a_window + model.a_window_core) + (1.5 + 1.75) * byte * n)
     assert model.measured_layout("window", n, 2, 1, 1) == pytest.approx(  # one core: no cross-core part
-        2 * model.a_window_core + 2 * model.b_window * n * model.machine.growth("shm", 2 * n))
+        2 * model.a_window_core + 2 * model.window_byte(2 * n) * n)
 
 
 def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
@@ -172,10 +210,11 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     assert model.measured_layout("mpi", n, 4, 1, 2) == pytest.approx(expected)
     assert model.core_step(sm.MPICH_CMA_MIN) == pytest.approx(model.a_core + model.b_core * sm.MPICH_CMA_MIN)
     assert model.core_step(1024) == pytest.approx(model.a_core_eager + model.b_core * 1024)
-    # On pretend nodes the slice owners 2 ranks apart, both on one core, all-reduce across the nodes.
-    one_node = model.measured_layout("window", n, 4, 1, 2)
+    # On pretend nodes the slice owners 2 ranks apart, both on one core, all-reduce across the nodes;
+    # each node's plan is two ranks', one pass each.
+    node = 2 * (model.a_window + model.a_window_core) + 2 * model.window_byte(ws) * n
     cross = 2 * model.core_step(n / 4) + 2 * model.reduce(n / 4, ws / 2)
-    assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(one_node + cross)
+    assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(node + cross)
     big = 64 << 20  # MPICH's scratch buffer faults in on both ranks of each core
     assert model.mpi_machine(big, 2, 2 * big, per_core=2, cores=1) == pytest.approx(
         2 * model.core_step(big / 2) + 2 * model.reduce(big / 2, 2 * big) + 2 * model.faults(big, 2))
@@ -184,15 +223,17 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
 def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
     model = _truth()
     n, ws = 1 << 20, 4 << 20
-    one_node = model.measured_layout("window", n, 4, 1, 4)
-    assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(one_node + model.mpi_machine(n / 2, 2, ws / 2))
+    nodes = 2 * model.a_window + model.window_byte(ws) * n  # a core each, two ranks per node: one pass
+    assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(nodes + model.mpi_machine(n / 2, 2, ws / 2))
 
 
 def test_hierarchical_is_flat_with_one_rank_per_node_and_the_window_on_one_node():
     model = _truth()
     for n in (64 << 10, 1 << 20, 64 << 20):
         assert model.hierarchical(n, 64, 1, NET) == model.flat(n, 64, 1, NET)
-        assert model.hierarchical(n, 8, 8, NET) == pytest.approx(model.window_node(n, 8 * n))
+        assert model.hierarchical(n, 8, 8, NET) == pytest.approx(model.window_node(n, 8, 8 * n))
+        assert model.window_node(n, 8, 8 * n) == pytest.approx(  # the slowest rank: local rank 2 and up
+            2 * model.a_window + sm.window_writes(8, 7) * model.window_byte(8 * n) * n)
         assert model.flat(n, 8, 8, NET) == pytest.approx(model.mpi_machine(n, 8, 8 * n))
 
 
