@@ -503,9 +503,10 @@ class Model:
         latency = self.a_core if x >= MPICH_CMA_MIN or self.a_core_eager is None else self.a_core_eager
         return latency + self.b_core * x
 
-    def reduce(self, x: float, ws: float) -> float:
-        """Summing a received ``x`` bytes into ``x`` bytes (the private pass over ``2 x`` bytes)."""
-        return 2 * x * (self.machine.pass_cost("private", 2.0 * FIT_MAX) + self.machine.extra("private", ws))
+    def reduce(self, x: float, ws: float, memory: str = "private") -> float:
+        """Summing a received ``x`` bytes into ``x`` bytes of ``memory`` (``private``: a NumPy array; ``shm``:
+        the window's segments), the probe's pass over ``2 x`` bytes."""
+        return 2 * x * (self.machine.pass_cost(memory, 2.0 * FIT_MAX) + self.machine.extra(memory, ws))
 
     def faults(self, n: float, ranks: int) -> float:
         """MPICH's scratch buffer for the reduce-scatter (``n`` bytes), mapped afresh on every call from
@@ -517,8 +518,9 @@ class Model:
         return self.machine.fault * n / 2
 
     def mpi_machine(self, n: float, ranks: int, ws: float, per_core: int = 1, cores: int = 1,
-                    stride: int = 1) -> float:
-        """MPICH's reduce-scatter + all-gather over ``ranks`` (a power of two) of one machine.
+                    stride: int = 1, memory: str = "private") -> float:
+        """MPICH's reduce-scatter + all-gather over ``ranks`` (a power of two) of one machine, on an array in
+        ``memory`` (:meth:`reduce`).
 
         With ``per_core`` ranks on each of ``cores`` cores (more than one: such all-reduces run on
         every core at once, as every rank's does), world rank r sits on core ``r % cores`` (hydra's
@@ -535,7 +537,7 @@ class Model:
                 step = per_core / 2 * self.core_step(x)
             else:
                 step = per_core * self.mpi_step(x, ws)
-            t += 2 * step + per_core * self.reduce(x, ws)
+            t += 2 * step + per_core * self.reduce(x, ws, memory)
         return t + per_core * self.faults(n, ranks)
 
     def measured_layout(self, path: str, n: float, ranks: int, nodes: int, cores: int) -> float:
@@ -558,21 +560,22 @@ class Model:
                 raise ValueError(_NO_SAME_CORE)
             sync += self.a_window_core
         t = 2 * sync + core_load(local, ranks, cores) * self.window_byte(ws) * n
-        if nodes > 1:  # every slice owner all-reduces its n/local bytes with its peers on the other nodes
-            t += self.mpi_machine(n / local, nodes, ws / local, per_core, cores, stride=local)
+        if nodes > 1:  # every slice owner all-reduces its n/local bytes of window with its peers on the other nodes
+            t += self.mpi_machine(n / local, nodes, ws / local, per_core, cores, stride=local, memory="shm")
         return t
 
     # -- clusters --
-    def net_allreduce(self, x: float, nodes: int, flows: int, ws: float, net: Network, short: int) -> float:
-        """MPICH's all-reduce of ``x`` bytes over ``nodes`` ranks, one per node, while ``flows`` such
-        all-reduces share each node's link: recursive doubling up to ``short`` bytes, else
-        reduce-scatter + all-gather (with its scratch buffer)."""
+    def net_allreduce(self, x: float, nodes: int, flows: int, ws: float, net: Network, short: int,
+                      memory: str = "private") -> float:
+        """MPICH's all-reduce of ``x`` bytes of ``memory`` (:meth:`reduce`) over ``nodes`` ranks, one per
+        node, while ``flows`` such all-reduces share each node's link: recursive doubling up to ``short``
+        bytes, else reduce-scatter + all-gather (with its scratch buffer)."""
         steps = round(math.log2(nodes))
         if steps == 0:
             return 0.0
         if x <= short:
-            return steps * (net.latency + flows * x / net.bandwidth + self.reduce(x, ws))
-        return sum(2 * (net.latency + flows * (x / 2**k) / net.bandwidth) + self.reduce(x / 2**k, ws)
+            return steps * (net.latency + flows * x / net.bandwidth + self.reduce(x, ws, memory))
+        return sum(2 * (net.latency + flows * (x / 2**k) / net.bandwidth) + self.reduce(x / 2**k, ws, memory)
                    for k in range(1, steps + 1)) + self.faults(x, nodes)
 
     def flat(self, n: float, ranks: int, per_node: int, net: Network) -> float:
@@ -611,14 +614,14 @@ class Model:
 
     def hierarchical(self, n: float, ranks: int, per_node: int, net: Network) -> float:
         """mpistrat's window transport: the node's reduce-scatter, then each slice owner's ``n / per_node``
-        bytes all-reduced across the nodes (``per_node`` owners sharing the link), then the push. With
-        one rank per node the window is off and the call is ``flat``."""
+        bytes of window all-reduced across the nodes (``per_node`` owners sharing the link), then the
+        push. With one rank per node the window is off and the call is ``flat``."""
         nodes = ranks // per_node
         if per_node == 1:
             return self.flat(n, ranks, per_node, net)
         ws = per_node * n
-        return self.window_node(n, per_node, ws) + self.net_allreduce(n / per_node, nodes, per_node, ws, net,
-                                                            MPICH_IALLREDUCE_SHORT)
+        return self.window_node(n, per_node, ws) + self.net_allreduce(
+            n / per_node, nodes, per_node, ws, net, MPICH_IALLREDUCE_SHORT, memory="shm")
 
 
 def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: float,

@@ -213,7 +213,7 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     # On pretend nodes the slice owners 2 ranks apart, both on one core, all-reduce across the nodes;
     # each node's plan is two ranks', one pass each.
     node = 2 * (model.a_window + model.a_window_core) + 2 * model.window_byte(ws) * n
-    cross = 2 * model.core_step(n / 4) + 2 * model.reduce(n / 4, ws / 2)
+    cross = 2 * model.core_step(n / 4) + 2 * model.reduce(n / 4, ws / 2, "shm")  # sums on window memory
     assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(node + cross)
     big = 64 << 20  # MPICH's scratch buffer faults in on both ranks of each core
     assert model.mpi_machine(big, 2, 2 * big, per_core=2, cores=1) == pytest.approx(
@@ -224,7 +224,18 @@ def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
     model = _truth()
     n, ws = 1 << 20, 4 << 20
     nodes = 2 * model.a_window + model.window_byte(ws) * n  # a core each, two ranks per node: one pass
-    assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(nodes + model.mpi_machine(n / 2, 2, ws / 2))
+    cross = model.mpi_machine(n / 2, 2, ws / 2, memory="shm")
+    assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(nodes + cross)
+    assert cross > model.mpi_machine(n / 2, 2, ws / 2)  # the window's pages: the shm probe's dearer pass
+
+
+def test_sums_cost_the_probe_pass_of_their_memory():
+    model = _truth()
+    x, ws = float(4 << 20), float(64 << 20)
+    for memory in ("private", "shm"):
+        per_byte = model.machine.pass_cost(memory, 2 * sm.FIT_MAX) + model.machine.extra(memory, ws)
+        assert model.reduce(x, ws, memory) == pytest.approx(2 * x * per_byte)
+    assert model.reduce(x, ws) == model.reduce(x, ws, "private")
 
 
 def test_hierarchical_is_flat_with_one_rank_per_node_and_the_window_on_one_node():
