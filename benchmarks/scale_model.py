@@ -45,8 +45,8 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   reduce-scatter summing them, plus the first-touch faults of the ``n / 2`` bytes MPICH's scratch
   buffer receives, from 32 MiB (glibc maps allocations above its largest mmap threshold afresh on
   every call);
-* hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes all-reduced
-  with MPI across the nodes, the push;
+* hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes of window
+  all-reduced with MPI across the nodes (its sums at the shared-memory probe's cost), the push;
 * ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
   synchronisation costs the hand-over of the core (fitted on the run with both ranks on one core)
