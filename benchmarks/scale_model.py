@@ -456,8 +456,8 @@ class Model:
     writes (:func:`window_writes`: n on two ranks, its slice summed, then pushed into the other);
     ``a_mpi``: seconds per MPI message step of ``MPICH_CMA_MIN`` bytes or more (the kernel's copy and
     its handshake); ``a_eager``: per shorter step (MPICH's shared cells; None: ``a_mpi``); ``b_mpi``:
-    seconds per byte sent. Summing a received ``x`` bytes costs the private pass over ``2 x`` bytes;
-    per-byte costs grow with the working set beyond the fit's (:meth:`Machine.extra`).
+    seconds per byte sent. Summing a received ``x`` bytes costs the probe's pass over ``2 x`` bytes of its
+    memory (:meth:`reduce`); per-byte costs grow with the working set beyond the fit's (:meth:`Machine.extra`).
 
     Fitted on the 2-rank run with both ranks on one core (None without it): ``a_window_core``, seconds
     per node synchronisation of ranks that share a core (the hand-over of the core; the passes as
@@ -817,7 +817,7 @@ def predict(args: argparse.Namespace) -> int:
                 "twice the fault cost of MPICH's private ones); measure it again")
     models = fit_all(runs)
     say("\n## Fitted on the 2-rank runs up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
-        "byte passed over or sent; sum: per byte summed; the fault and the per-byte growth come from the probes; "
+        "byte the window's plan writes or MPI sends; sum: per byte summed; the fault and the per-byte growth come from the probes; "
         "one core: the run with both ranks on one core, its synchronisation's hand-over and its MPI step)\n")
     say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) "
         "| sum (ns/B) | fault (us/page) | one core: hand-over (us) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
