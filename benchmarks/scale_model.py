@@ -36,9 +36,10 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
 
 * window, one node: two node synchronisations (``a_w`` each) and, per rank, the bytes its reduce
   plan writes (``window_writes``, from ``make_plan``): on two ranks one pass, its slice of the two
-  segments summed (n/2) and pushed into the other (n/2); on p ranks each later segment summed into
-  the slice ((p-1) n/p) and the slice pushed into the p-1 others ((p-1) n/p), and from local rank 2
-  up, summed aside, copied back (n/p): ``2 a_w + b_w w n``, w = 1 on two ranks, 1.5 and 1.75 on four;
+  segments summed (n/2) and pushed into the other (n/2); on p ranks the first two segments' slices
+  summed and each later one added ((p-1) n/p), the slice pushed into the p-1 others ((p-1) n/p), and
+  from local rank 2 up, summed aside, copied back (n/p): ``2 a_w + b_w w n``, w = 1 on two ranks, 1.5
+  and 1.75 on four;
 * MPI within a node: MPICH's reduce-scatter + all-gather (Rabenseifner), ``log2 p`` steps each way,
   step k sending ``n / 2^k`` bytes (``a_m + b_m x``: a step of 8 KiB or more is a kernel copy after a
   handshake, a shorter one goes through MPICH's shared cells with a latency of its own) and the
@@ -46,7 +47,8 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   buffer receives, from 32 MiB (glibc maps allocations above its largest mmap threshold afresh on
   every call);
 * hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes of window
-  all-reduced with MPI across the nodes (its sums at the shared-memory probe's cost), the push;
+  all-reduced with MPI across the nodes (its sums into the window at the shared-memory probe's cost),
+  the push;
 * ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
   synchronisation costs the hand-over of the core (fitted on the run with both ranks on one core)
@@ -394,8 +396,9 @@ class Machine:
 
     def extra(self, kind: str, ws: float) -> float:
         """Seconds a byte of a pass over memory of ``kind`` costs more at working set ``ws`` than at the
-        fit's largest (``2 * FIT_MAX``), never below 0; always 0 for the plain model. The misses add to
-        the in-cache cost, whatever else that cost holds (the window's pushes, its Python calls)."""
+        fit's largest (``2 * FIT_MAX``), never below 0; always 0 for the plain model. Added to a fitted
+        cost per byte, not multiplied into it: that cost holds more than the memory's (the window's
+        Python calls, its blocks summed in cache), which the cache's misses do not grow."""
         if self.constant or ws <= 2.0 * FIT_MAX:
             return 0.0
         return max(0.0, self.pass_cost(kind, ws) - self.pass_cost(kind, 2.0 * FIT_MAX))
@@ -427,11 +430,12 @@ class Network:
 
 def window_writes(local: int, local_rank: int) -> float:
     """Bytes the window's reduce plan (``mpistrat/comm/transport/shm/plan.py``, ``make_plan``) has node rank
-    ``local_rank`` of ``local`` write per byte of the bucket: on two ranks one pass, its slice of the two
-    segments summed (n/2) and pushed into the other segment (n/2); on more, each segment after the first
-    two summed into the slice ((p-1) n/p, block by block) and the slice pushed into the p-1 others
-    ((p-1) n/p), and from local rank 2 up, whose own segment comes later in the summing order and is
-    summed aside, the copy back (n/p)."""
+    ``local_rank`` of ``local`` write per byte of the bucket, every local rank owning a slice and the result
+    left in the window (``allreduce_packed`` without ``out``, as measured): on two ranks one pass, its slice
+    of the two segments summed (n/2) and pushed into the other segment (n/2); on p ranks, block by block,
+    the first two segments' slices summed and each later one added (p-1 sums of n/p), the slice pushed
+    into the p-1 others ((p-1) n/p), and where it sums aside (``sums_aside``: local rank 2 and up, whose
+    own segment comes later in the summing order), copied back (n/p)."""
     if local < 2:
         return 0.0
     aside = 1.0 / local if local > 2 and local_rank >= 2 else 0.0
@@ -482,10 +486,15 @@ class Model:
         """Seconds per byte the window's reduce plan writes at machine working set ``ws``."""
         return self.b_window + self.machine.extra("shm", ws)
 
+    def window_plans(self, n: float, local: int, ranks: int, cores: int, ws: float) -> float:
+        """The window's reduce plans of ``ranks`` in nodes of ``local`` on ``cores`` cores (:func:`core_load`),
+        between the synchronisations."""
+        return core_load(local, ranks, cores) * self.window_byte(ws) * n
+
     def window_node(self, n: float, local: int, ws: float) -> float:
         """The window's reduce-scatter and push on a node of ``local`` ranks, a core per rank: two node
         synchronisations and the slowest rank's plan."""
-        return 2 * self.a_window + core_load(local, local, local) * self.window_byte(ws) * n
+        return 2 * self.a_window + self.window_plans(n, local, local, local, ws)
 
     def mpi_step(self, x: float, ws: float) -> float:
         """One MPI message step of ``x`` bytes between ranks of one machine. MPICH copies a message of
@@ -559,7 +568,7 @@ class Model:
             if self.a_window_core is None:
                 raise ValueError(_NO_SAME_CORE)
             sync += self.a_window_core
-        t = 2 * sync + core_load(local, ranks, cores) * self.window_byte(ws) * n
+        t = 2 * sync + self.window_plans(n, local, ranks, cores, ws)
         if nodes > 1:  # every slice owner all-reduces its n/local bytes of window with its peers on the other nodes
             t += self.mpi_machine(n / local, nodes, ws / local, per_core, cores, stride=local, memory="shm")
         return t
@@ -619,9 +628,9 @@ class Model:
         nodes = ranks // per_node
         if per_node == 1:
             return self.flat(n, ranks, per_node, net)
-        ws = per_node * n
+        ws = per_node * n  # the node's; the owners' all-reduce touches their slices, ws / per_node (as measured_layout)
         return self.window_node(n, per_node, ws) + self.net_allreduce(
-            n / per_node, nodes, per_node, ws, net, MPICH_IALLREDUCE_SHORT, memory="shm")
+            n / per_node, nodes, per_node, ws / per_node, net, MPICH_IALLREDUCE_SHORT, memory="shm")
 
 
 def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: float,
@@ -643,20 +652,19 @@ def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: floa
     return float(a), float(b)
 
 
-def _fit_lines(run: dict[str, Any], machine: Machine, rest_of: Callable[[float], float],
-               window_b: float | None = None, passes: int = 1) -> tuple[float, float, float, float, float | None]:
-    """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and, on the
-    core that runs the most, ``passes`` plans of n bytes written, each byte ``machine.extra`` at 2n dearer;
-    ``window_b`` given: ``a`` alone), and MPI's ``a``, ``b``
+def _fit_lines(run: dict[str, Any], rest_of: Callable[[float], float],
+               window_b: float | None = None) -> tuple[float, float, float, float, float | None]:
+    """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and the bytes
+    the plans of the core that runs the most write, :func:`core_load`; within the fit's working set a byte
+    costs ``b``, no extra; ``window_b`` given: ``a`` alone), and MPI's ``a``, ``b``
     and the short steps' latency (None where every step is a kernel copy): one step each way of n/2 bytes
     plus ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies, the
     shorter steps' latency beside them."""
     sizes = np.array(run["sizes"], dtype=float)
     n = sizes[sizes <= FIT_MAX]
     window_t = np.array(run["time_s"]["window"], dtype=float)[: len(n)]
-    written = passes * n  # window_writes: 1 per rank on two ranks
-    a_w, b_w = _fit_line(written, written * np.array([machine.extra("shm", 2 * s) for s in n]), window_t, 2,
-                         b=window_b)
+    written = core_load(run["local"], run["ranks"], run["cores"]) * n
+    a_w, b_w = _fit_line(written, np.zeros_like(n), window_t, 2, b=window_b)
     mpi_t = np.array(run["time_s"]["mpi"], dtype=float)[: len(n)]
     rest = np.array([rest_of(s) for s in n])
     cma = n / 2 >= MPICH_CMA_MIN
@@ -683,12 +691,11 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
     machine = Machine.from_run(run, constant)
     model = Model(machine, 0.0, 0.0, 0.0, 0.0)
     model.a_window, model.b_window, model.a_mpi, model.b_mpi, model.a_eager = _fit_lines(
-        run, machine, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2))
+        run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2))
     if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
         _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
         model.a_window_core, _, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
-            core_run, machine, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)),
-            window_b=model.b_window, passes=2)
+            core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)), window_b=model.b_window)
     return model
 
 
@@ -817,8 +824,9 @@ def predict(args: argparse.Namespace) -> int:
                 "twice the fault cost of MPICH's private ones); measure it again")
     models = fit_all(runs)
     say("\n## Fitted on the 2-rank runs up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
-        "byte the window's plan writes or MPI sends; sum: per byte summed; the fault and the per-byte growth come from the probes; "
-        "one core: the run with both ranks on one core, its synchronisation's hand-over and its MPI step)\n")
+        "byte the window's plan writes or MPI sends; sum: per byte summed; the fault and the per-byte growth "
+        "come from the probes; one core: the run with both ranks on one core, its synchronisation's hand-over "
+        "and its MPI step)\n")
     say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) "
         "| sum (ns/B) | fault (us/page) | one core: hand-over (us) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|")

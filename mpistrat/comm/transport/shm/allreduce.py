@@ -31,7 +31,7 @@ from mpistrat.comm.runtime.topology import NodeLayout, Topology, resolve_pretend
 from mpistrat.comm.transport.base import NO_AGREEMENT, AgreementHook, Transport, TransportContext
 from mpistrat.comm.transport.buffers import GrowableBuffers
 from mpistrat.comm.transport.shm import calibration
-from mpistrat.comm.transport.shm.plan import ReducePlan, ScatterLayout, make_plan, one_sync_tail
+from mpistrat.comm.transport.shm.plan import ReducePlan, ScatterLayout, make_plan, one_sync_tail, sums_aside
 from mpistrat.comm.transport.shm.results import SLOTS, ResultBlocks, SharedResults
 from mpistrat.comm.transport.shm.settings import agree_settings, read_settings
 
@@ -738,8 +738,7 @@ class ShmTransport(Transport):
         bucket, dtype, count = key
         lr = self.layout.local_rank
         tmp = None
-        if lr >= 2 and self.layout.local_size > 2 and lr < self.owners:
-            # Its own segment is read later in the summing order: accumulate aside.
+        if sums_aside(self.layout.local_size, lr, self.owners):
             step = max(1, self.block_bytes // dtype.itemsize)
             tmp = self._tmp.get(dtype)
             if tmp is None or tmp.size < step:

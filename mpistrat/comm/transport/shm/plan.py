@@ -6,7 +6,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReducePlan", "ScatterLayout", "make_plan", "one_sync_tail"]
+__all__ = ["ReducePlan", "ScatterLayout", "make_plan", "one_sync_tail", "sums_aside"]
+
+
+def sums_aside(local_size: int, local_rank: int, owners: int) -> bool:
+    """Whether slice owner ``local_rank`` sums its slice aside (into a scratch block, copied back after): its own
+    segment comes after the first two in the summing order, so a sum into it would overwrite it unread."""
+    return local_size > 2 and 2 <= local_rank < owners
 
 
 def one_sync_tail(count: int, itemsize: int, chunk_items: int, direct: int) -> bool:
