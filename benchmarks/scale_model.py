@@ -428,6 +428,12 @@ class Network:
     bandwidth: float
 
 
+def _message_step(x: float, a: float, a_eager: float | None, b: float) -> float:
+    """An MPI message step of ``x`` bytes: the kernel copy's latency ``a`` from ``MPICH_CMA_MIN`` bytes, the
+    shared cells' ``a_eager`` below (None: ``a``), and ``b`` per byte."""
+    return (a if x >= MPICH_CMA_MIN or a_eager is None else a_eager) + b * x
+
+
 def window_writes(local: int, local_rank: int) -> float:
     """Bytes the window's reduce plan (``mpistrat/comm/transport/shm/plan.py``, ``make_plan``) has node rank
     ``local_rank`` of ``local`` write per byte of the bucket, every local rank owning a slice and the result
@@ -501,16 +507,14 @@ class Model:
         ``MPICH_CMA_MIN`` bytes or more once, in the kernel, page by page (CMA), after a handshake that
         a shorter message through its shared cells does without; the kernel's cost per byte does not
         follow the cache, so it never grows."""
-        latency = self.a_mpi if x >= MPICH_CMA_MIN or self.a_eager is None else self.a_eager
-        return latency + self.b_mpi * x
+        return _message_step(x, self.a_mpi, self.a_eager, self.b_mpi)
 
     def core_step(self, x: float) -> float:
         """One MPI message step of ``x`` bytes between two ranks of one core, both ranks' copies on it (the
         same-core run's fit; ``mpi_step``'s two protocols)."""
         if self.a_core is None or self.b_core is None:
             raise ValueError(_NO_SAME_CORE)
-        latency = self.a_core if x >= MPICH_CMA_MIN or self.a_core_eager is None else self.a_core_eager
-        return latency + self.b_core * x
+        return _message_step(x, self.a_core, self.a_core_eager, self.b_core)
 
     def reduce(self, x: float, ws: float, memory: str = "private") -> float:
         """Summing a received ``x`` bytes into ``x`` bytes of ``memory`` (``private``: a NumPy array; ``shm``:
