@@ -35,8 +35,8 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
 "scale_model.py", has the sources):
 
 * window, one node: two node synchronisations (``a_w`` each) and, per rank, the bytes its reduce
-  plan writes (``window_writes``, from ``make_plan``): on two ranks one pass, its slice of the two
-  segments summed (n/2) and pushed into the other (n/2); on p ranks the first two segments' slices
+  plan writes (``window_writes``, from ``make_plan``, block by block): on two ranks its slice of the
+  two segments summed (n/2) and pushed into the other (n/2); on p ranks the first two segments' slices
   summed and each later one added ((p-1) n/p), the slice pushed into the p-1 others ((p-1) n/p), and
   from local rank 2 up, summed aside, copied back (n/p): ``2 a_w + b_w w n``, w = 1 on two ranks, 1.5
   and 1.75 on four;
@@ -437,10 +437,10 @@ def _message_step(x: float, a: float, a_eager: float | None, b: float) -> float:
 def window_writes(local: int, local_rank: int) -> float:
     """Bytes the window's reduce plan (``mpistrat/comm/transport/shm/plan.py``, ``make_plan``) has node rank
     ``local_rank`` of ``local`` write per byte of the bucket, every local rank owning a slice and the result
-    left in the window (``allreduce_packed`` without ``out``, as measured): on two ranks one pass, its slice
-    of the two segments summed (n/2) and pushed into the other segment (n/2); on p ranks, block by block,
-    the first two segments' slices summed and each later one added (p-1 sums of n/p), the slice pushed
-    into the p-1 others ((p-1) n/p), and where it sums aside (``sums_aside``: local rank 2 and up, whose
+    left in the window (``allreduce_packed`` without ``out``, as measured), block by block: on two ranks its
+    slice of the two segments summed (n/2) and pushed into the other segment (n/2); on p ranks the first two
+    segments' slices summed and each later one added (p-1 sums of n/p), the slice pushed into the p-1
+    others ((p-1) n/p), and where it sums aside (``sums_aside``: local rank 2 and up, whose
     own segment comes later in the summing order), copied back (n/p)."""
     if local < 2:
         return 0.0

@@ -6,7 +6,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReducePlan", "ScatterLayout", "make_plan", "one_sync_tail", "sums_aside"]
+__all__ = ["PAIR_BLOCKS", "ReducePlan", "ScatterLayout", "make_plan", "one_sync_tail", "sums_aside"]
+
+# A two-rank plan's block in ``step``s: its two segments' blocks fill what eight blocks of the wider plan do.
+PAIR_BLOCKS = 4
 
 
 def sums_aside(local_size: int, local_rank: int, owners: int) -> bool:
@@ -49,8 +52,10 @@ def make_plan(
     tmp: np.ndarray | None,
 ) -> ReducePlan:
     """The plan of node rank ``local_rank`` for a bucket whose segments are ``views`` (one per node
-    rank), cut at ``bounds`` among the ``owners``; blocks of ``step`` items when more than two ranks
-    share the node, summed into ``tmp`` (then copied back) when given."""
+    rank), cut at ``bounds`` among the ``owners``, in cache-sized blocks: of ``step`` items when more
+    than two ranks share the node (a block touches up to eight: the segments' and ``tmp``), summed into
+    ``tmp`` (then copied back) when given; of ``PAIR_BLOCKS * step`` on two ranks, whose block touches
+    the two segments' only, so that the slice is pushed while in cache, not read back from memory."""
     lr, n = local_rank, len(views)
     count = bounds[-1]
     blocks: list[tuple] = []
@@ -64,9 +69,12 @@ def make_plan(
     if lr < owners and bounds[lr + 1] > bounds[lr]:
         lo, hi = bounds[lr], bounds[lr + 1]
         own = views[lr]
-        if n == 2:  # one pass: nothing is read twice
-            blocks.append(((views[0][lo:hi], views[1][lo:hi]), own[lo:hi], None, push(lo, hi), lo, hi))
-        elif n > 2:  # cache-sized blocks, summed in local-rank order
+        if n == 2:
+            pair = max(1, PAIR_BLOCKS * step)
+            for s in range(lo, hi, pair):
+                e = min(s + pair, hi)
+                blocks.append(((views[0][s:e], views[1][s:e]), own[s:e], None, push(s, e), s, e))
+        elif n > 2:  # summed in local-rank order
             step = max(1, step)
             for s in range(lo, hi, step):
                 e = min(s + step, hi)
