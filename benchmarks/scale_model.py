@@ -54,9 +54,7 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   synchronisation costs the hand-over of the core (fitted on the run with both ranks on one core)
   besides ``a_w``; an MPI step between ranks of two cores is each core's ranks' steps one after the
   other, a step between ranks of one core (ranks 2^(k-1) apart, a multiple of the cores) the same-core
-  run's step, its bytes ``busy`` times as dear as there, since the other cores exchange at the same time
-  (``busy``: the fit run's probe pass, both cores at work, over the same-core run's, one core at a time,
-  at the fit's largest working set).
+  run's step.
 
 Two variants are checked: ``alpha-beta`` (constant per-byte costs) and ``+cache`` (beyond the fit's
 working set, a byte the window writes or a sum reads costs what the probe's pass costs more there than
@@ -81,7 +79,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -305,9 +303,9 @@ _ROUND_FIELDS = ("when_utc", "seconds", "load_average", "argv", "affinity")
 
 def _mismatch(earlier: dict[str, Any], facts: dict[str, Any]) -> str | None:
     """Why sweeps of a run with ``facts`` cannot join the entry ``earlier`` (None: they can)."""
-    for name in _APPEND_FIELDS:
-        if earlier.get(name) != facts.get(name):
-            return (f"the data file's run has {name}={earlier.get(name)!r}, this one {facts.get(name)!r}; "
+    for field in _APPEND_FIELDS:
+        if earlier.get(field) != facts.get(field):
+            return (f"the data file's run has {field}={earlier.get(field)!r}, this one {facts.get(field)!r}; "
                     "measure without --append")
     return None
 
@@ -334,8 +332,8 @@ def _appended(earlier: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
                           for name, sweeps in merged["sweeps_s"].items()}
     merged["rounds"] = earlier.get("rounds", [{f: earlier.get(f) for f in _ROUND_FIELDS}])
     merged["rounds"] = merged["rounds"] + [{f: run.get(f) for f in _ROUND_FIELDS}]
-    for name in ("when_utc", "load_average", "argv"):  # the entry's own: its first round's
-        merged[name] = earlier.get(name)
+    for field in ("when_utc", "load_average", "argv"):  # the entry's own: its first round's
+        merged[field] = earlier.get(field)
     merged["seconds"] = round(sum(r["seconds"] or 0 for r in merged["rounds"]), 1)
     return merged
 
@@ -381,9 +379,7 @@ class Machine:
     ``ws``: machine working sets (bytes: both ranks' regions) at which ``shm`` and ``private``, the
     seconds per byte of one rank's pass over its region (node shared memory with 4 KiB pages, like the
     window; a private array, like MPI's buffers), were measured; ``fault``: seconds per byte first
-    touched; ``constant``: per-byte costs never grow with the working set (the plain alpha-beta model);
-    ``busy``: per memory kind, what a byte of a pass costs a core while another core runs one too, over
-    what it costs a core alone (:meth:`from_run`; 1 without the same-core run).
+    touched; ``constant``: per-byte costs never grow with the working set (the plain alpha-beta model).
     """
 
     ws: np.ndarray
@@ -391,7 +387,6 @@ class Machine:
     private: np.ndarray
     fault: float
     constant: bool
-    busy: dict[str, float] = field(default_factory=lambda: {"shm": 1.0, "private": 1.0})
 
     def pass_cost(self, kind: str, ws: float) -> float:
         """Seconds per byte of a pass over memory of ``kind`` at machine working set ``ws``, interpolated
@@ -409,11 +404,8 @@ class Machine:
         return max(0.0, self.pass_cost(kind, ws) - self.pass_cost(kind, 2.0 * FIT_MAX))
 
     @classmethod
-    def from_run(cls, run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = None) -> Machine:
-        """The fit run's probes (at size n, two ranks pass over n bytes each: a working set of 2n). ``busy``
-        from the same-core run's (``core_run``), where the two ranks pass one after the other on one core,
-        so its time is two passes of a core alone: the fit run's pass (both cores at once) over half that, at
-        the fit's largest working set (``2 * FIT_MAX``), as :meth:`Model.reduce` takes its sums' cost."""
+    def from_run(cls, run: dict[str, Any], constant: bool) -> Machine:
+        """The fit run's probes (at size n, two ranks pass over n bytes each: a working set of 2n)."""
         med = run["time_s"]
         for probe in PROBES:
             if probe not in med:
@@ -425,14 +417,7 @@ class Machine:
         if not faults:
             raise ValueError(f"run {FIT_LAYOUT!r} has no fault probe between {human(FAULT_FIT_MIN)} and "
                              f"{human(FIT_MAX)}; measure it again")
-        machine = cls(2 * sizes, shm, private, statistics.median(faults), constant)
-        if core_run is not None:
-            at = 2.0 * FIT_MAX
-            for kind in ("shm", "private"):
-                alone = np.array(core_run["time_s"][f"{kind}_pass"], dtype=float) / 2 / np.array(core_run["sizes"])
-                machine.busy[kind] = machine.pass_cost(kind, at) / float(
-                    np.interp(math.log2(at), np.log2(2 * np.array(core_run["sizes"], dtype=float)), alone))
-        return machine
+        return cls(2 * sizes, shm, private, statistics.median(faults), constant)
 
 
 @dataclass
@@ -524,15 +509,12 @@ class Model:
         follow the cache, so it never grows."""
         return _message_step(x, self.a_mpi, self.a_eager, self.b_mpi)
 
-    def core_step(self, x: float, memory: str = "private", busy: bool = False) -> float:
-        """One MPI message step of ``x`` bytes of ``memory`` between two ranks of one core, both ranks' copies
-        on it (the same-core run's fit, where the other core idles; ``mpi_step``'s two protocols). ``busy``:
-        the other cores run their ranks' steps at the same time, and each byte costs ``machine.busy`` times
-        as much (a pass's cost with both cores at work over a core's alone)."""
+    def core_step(self, x: float) -> float:
+        """One MPI message step of ``x`` bytes between two ranks of one core, both ranks' copies on it (the
+        same-core run's fit; ``mpi_step``'s two protocols)."""
         if self.a_core is None or self.b_core is None:
             raise ValueError(_NO_SAME_CORE)
-        per_byte = self.b_core * (self.machine.busy[memory] if busy else 1.0)
-        return _message_step(x, self.a_core, self.a_core_eager, per_byte)
+        return _message_step(x, self.a_core, self.a_core_eager, self.b_core)
 
     def reduce(self, x: float, ws: float, memory: str = "private") -> float:
         """Summing a received ``x`` bytes into ``x`` bytes of ``memory`` (``private``: a NumPy array; ``shm``:
@@ -558,15 +540,14 @@ class Model:
         ``-bind-to core``) and this communicator's ranks are ``stride`` world ranks apart. Step k pairs
         ranks ``2^(k-1)`` apart: on two cores, each core copies for its ``per_core`` ranks one after
         the other; on one core (that distance in world ranks a multiple of ``cores``), each core holds
-        ``per_core / 2`` such pairs, each exchange the same-core run's step (busy where there are other
-        cores: they exchange at the same time). Each core sums, and faults MPICH's scratch buffer in, for
-        its ``per_core`` ranks."""
+        ``per_core / 2`` such pairs, each exchange the same-core run's step. Each core sums, and
+        faults MPICH's scratch buffer in, for its ``per_core`` ranks."""
         steps = round(math.log2(ranks))
         t = 0.0
         for k in range(1, steps + 1):
             x = n / 2**k
             if per_core > 1 and (stride * 2 ** (k - 1)) % cores == 0:
-                step = per_core / 2 * self.core_step(x, memory, busy=cores > 1)
+                step = per_core / 2 * self.core_step(x)
             else:
                 step = per_core * self.mpi_step(x, ws)
             t += 2 * step + per_core * self.reduce(x, ws, memory)
@@ -711,13 +692,12 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
     """Each path's parameters up to ``FIT_MAX`` from the fit run (2 ranks, one node, a core each) and, when
     given, the same-core run (2 ranks on one core: what ranks that share a core pay)."""
     _check_layout(run, FIT_LAYOUT, one_core=False)
-    if core_run is not None:
-        _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
-    machine = Machine.from_run(run, constant, core_run)
+    machine = Machine.from_run(run, constant)
     model = Model(machine, 0.0, 0.0, 0.0, 0.0)
     model.a_window, model.b_window, model.a_mpi, model.b_mpi, model.a_eager = _fit_lines(
         run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2))
     if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
+        _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
         model.a_window_core, _, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
             core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)), window_b=model.b_window)
     return model
@@ -850,12 +830,10 @@ def predict(args: argparse.Namespace) -> int:
     say("\n## Fitted on the 2-rank runs up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
         "byte the window's plan writes or MPI sends; sum: per byte summed; the fault and the per-byte growth "
         "come from the probes; one core: the run with both ranks on one core, its synchronisation's hand-over "
-        "and its MPI step; busy: a byte of its step costs this many times as much while the other core works, "
-        "window memory / private)\n")
+        "and its MPI step)\n")
     say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) "
-        "| sum (ns/B) | fault (us/page) | one core: hand-over (us) | MPI a (us) | MPI a, short steps (us) "
-        "| MPI b (ns/B) | busy |")
-    say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| sum (ns/B) | fault (us/page) | one core: hand-over (us) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def us(value: float | None, fallback: float | None = None, scale: float = 1e6, digits: int = 2) -> str:
         value = fallback if value is None else value
@@ -866,7 +844,7 @@ def predict(args: argparse.Namespace) -> int:
             f"{us(m.a_eager, m.a_mpi)} | {us(m.b_mpi, scale=1e9, digits=3)} | "
             f"{us(m.reduce(1.0, 0), scale=1e9, digits=3)} | {us(m.machine.fault * PAGE)} | {us(m.a_window_core)} | "
             f"{us(m.a_core)} | {us(m.a_core_eager, m.a_core)} | "
-            f"{us(m.b_core, scale=1e9, digits=3)} | {m.machine.busy['shm']:.2f} / {m.machine.busy['private']:.2f} |")
+            f"{us(m.b_core, scale=1e9, digits=3)} |")
     print_checks(checks(data, models), args.statistic, say)
     say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "
         + "; ".join(f"{statistic}: " + ", ".join(f"{name} {k}/{total}" for (name, _), (k, total)

@@ -20,7 +20,6 @@ sys.modules["scale_model"] = sm  # dataclasses look their module up
 _spec.loader.exec_module(sm)
 
 NET = sm.Network(latency=1.2e-6, bandwidth=24e9)
-BUSY = {"shm": 1.6, "private": 1.8}  # a pass with both cores at work, over a core's alone
 
 
 def _probe_times(sizes: list[int]) -> tuple[list[float], list[float], list[float | None]]:
@@ -32,11 +31,8 @@ def _probe_times(sizes: list[int]) -> tuple[list[float], list[float], list[float
 
 
 def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list[int]) -> dict:
-    """A layout's run as ``load_data`` gives it: one sweep, and its times as ``time_s``. Both ranks on one core
-    pass one after the other, each pass at a core's own speed (``BUSY`` times faster than with both at work)."""
+    """A layout's run as ``load_data`` gives it: one sweep, and its times as ``time_s``."""
     shm, private, fault = _probe_times(sizes)
-    if cores == 1:
-        shm, private = ([2 * t / BUSY[kind] for t in times] for kind, times in (("shm", shm), ("private", private)))
     run = {"ranks": ranks, "nodes": nodes, "local": ranks // nodes, "pretend": nodes > 1, "machine_ranks": ranks,
            "cores": cores, "sizes": sizes,
            "time_s": {"shm_pass": shm, "private_pass": private, "fault": fault}, "fault_probe": sm.FAULT_PROBE}
@@ -48,7 +44,7 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
 
 
 def _truth() -> sm.Model:
-    machine = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=False, core_run=_run(None, 2, 1, 1, sm.SIZES))
+    machine = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=False)
     return sm.Model(machine, a_window=3e-6, b_window=0.1e-9, a_mpi=2.5e-6, b_mpi=0.25e-9, a_eager=1.5e-6,
                     a_window_core=20e-6, a_core=9e-6, b_core=0.4e-9, a_core_eager=6e-6)
 
@@ -69,10 +65,8 @@ def test_the_fit_recovers_the_parameters_the_times_came_from():
     for name in ("a_window", "b_window", "a_mpi", "b_mpi", "a_eager") + CORE_FIELDS:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     assert fitted.machine.fault == pytest.approx(0.25e-6 / sm.PAGE)
-    assert fitted.machine.busy == pytest.approx(BUSY)
     alone = sm.fit(runs[sm.FIT_LAYOUT], constant=False)  # without the same-core run: nothing of it
     assert all(getattr(alone, name) is None for name in CORE_FIELDS)
-    assert alone.machine.busy == {"shm": 1.0, "private": 1.0}
     with pytest.raises(ValueError, match="the '2 ranks, 1 node, one core' run"):
         alone.measured_layout("window", 1 << 20, 4, 1, 2)
     with pytest.raises(ValueError, match="the '2 ranks, 1 node, one core' run"):
@@ -214,7 +208,7 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     # for its two ranks), step 2 ranks 2 apart (one core, one pair on each).
     model = _truth()
     n, ws = 1 << 20, 4 << 20
-    expected = (2 * 2 * model.mpi_step(n / 2, ws) + 2 * model.core_step(n / 4, busy=True)
+    expected = (2 * 2 * model.mpi_step(n / 2, ws) + 2 * model.core_step(n / 4)
                 + 2 * (model.reduce(n / 2, ws) + model.reduce(n / 4, ws)) + 2 * model.faults(n, 4))
     assert model.measured_layout("mpi", n, 4, 1, 2) == pytest.approx(expected)
     assert model.core_step(sm.MPICH_CMA_MIN) == pytest.approx(model.a_core + model.b_core * sm.MPICH_CMA_MIN)
@@ -222,38 +216,11 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     # On pretend nodes the slice owners 2 ranks apart, both on one core, all-reduce across the nodes;
     # each node's plan is two ranks', one pass each.
     node = 2 * (model.a_window + model.a_window_core) + 2 * model.window_byte(ws) * n
-    cross = 2 * model.core_step(n / 4, "shm", busy=True) + 2 * model.reduce(n / 4, ws / 2, "shm")  # window memory
+    cross = 2 * model.core_step(n / 4) + 2 * model.reduce(n / 4, ws / 2, "shm")  # sums on window memory
     assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(node + cross)
     big = 64 << 20  # MPICH's scratch buffer faults in on both ranks of each core
     assert model.mpi_machine(big, 2, 2 * big, per_core=2, cores=1) == pytest.approx(
         2 * model.core_step(big / 2) + 2 * model.reduce(big / 2, 2 * big) + 2 * model.faults(big, 2))
-
-
-def test_a_same_core_step_costs_busy_times_its_bytes_while_other_cores_exchange():
-    model = _truth()
-    x = float(1 << 20)
-    alone = model.core_step(x)
-    for memory in ("shm", "private"):
-        assert model.core_step(x, memory) == alone  # the same-core run's own step: the other core idles
-        assert model.core_step(x, memory, busy=True) - alone == pytest.approx((BUSY[memory] - 1) * model.b_core * x)
-    # Both ranks on one core: no other core, nothing busy; 4 ranks on 2 cores: the other core exchanges too.
-    n = 4 << 20
-    assert model.mpi_machine(n, 2, 2 * n, per_core=2, cores=1) == pytest.approx(
-        2 * model.core_step(n / 2) + 2 * model.reduce(n / 2, 2 * n) + 2 * model.faults(n, 2))
-    busy = model.mpi_machine(n, 4, 4 * n, per_core=2, cores=2)
-    model.machine.busy = {"shm": 1.0, "private": 1.0}
-    assert busy - model.mpi_machine(n, 4, 4 * n, per_core=2, cores=2) == pytest.approx(
-        2 * (BUSY["private"] - 1) * model.b_core * n / 4)  # step 2 (n/4 bytes), each way
-
-
-def test_busy_is_the_probes_ratio_at_the_fits_largest_working_set():
-    fit_run, core_run = _run(None, 2, 1, 2, sm.SIZES), _run(None, 2, 1, 1, sm.SIZES)
-    at = sm.SIZES.index(sm.FIT_MAX)  # size n: a working set of 2 n
-    core_run["time_s"]["shm_pass"][at] *= 2  # one core alone twice as slow there: busy halves
-    for k, t in enumerate(fit_run["time_s"]["private_pass"]):  # anywhere else: no effect
-        fit_run["time_s"]["private_pass"][k] = t * (1 if k == at else 5)
-    machine = sm.Machine.from_run(fit_run, constant=True, core_run=core_run)
-    assert machine.busy == pytest.approx({"shm": BUSY["shm"] / 2, "private": BUSY["private"]})
 
 
 def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
