@@ -162,7 +162,7 @@ def test_window_writes_counts_what_the_reduce_plan_writes(local, one_node):
 def test_a_core_writes_what_its_ranks_write_one_after_the_other():
     # 4 ranks on 2 cores, rank r on core r % 2: ranks 0 and 2 (1.5 and 1.75 bytes per byte) share core 0.
     assert sm.core_load(4, 4, 2) == pytest.approx(1.5 + 1.75)
-    assert sm.core_load(2, 4, 2) == 2.0  # 2 pretend nodes of 2: one pass per rank, two per core
+    assert sm.core_load(2, 4, 2) == 2.0  # 2 pretend nodes of 2: a byte per byte per rank, two per core
     assert sm.core_load(4, 4, 4) == 1.75  # a core each: the slowest rank
     assert sm.core_load(2, 2, 1) == 2.0  # both ranks on one core
 
@@ -214,7 +214,7 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     assert model.core_step(sm.MPICH_CMA_MIN) == pytest.approx(model.a_core + model.b_core * sm.MPICH_CMA_MIN)
     assert model.core_step(1024) == pytest.approx(model.a_core_eager + model.b_core * 1024)
     # On pretend nodes the slice owners 2 ranks apart, both on one core, all-reduce across the nodes;
-    # each node's plan is two ranks', one pass each.
+    # each node's plan is two ranks', a byte written per byte each.
     node = 2 * (model.a_window + model.a_window_core) + 2 * model.window_byte(ws) * n
     cross = 2 * model.core_step(n / 4) + 2 * model.reduce(n / 4, ws / 2, "shm")  # sums on window memory
     assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(node + cross)
@@ -226,7 +226,7 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
 def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
     model = _truth()
     n, ws = 1 << 20, 4 << 20
-    nodes = 2 * model.a_window + model.window_byte(ws) * n  # a core each, two ranks per node: one pass
+    nodes = 2 * model.a_window + model.window_byte(ws) * n  # a core each, two ranks per node: a byte per byte
     cross = model.mpi_machine(n / 2, 2, ws / 2, memory="shm")
     assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(nodes + cross)
     assert cross > model.mpi_machine(n / 2, 2, ws / 2)  # the window's pages: the shm probe's dearer pass

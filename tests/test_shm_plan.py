@@ -30,6 +30,8 @@ def test_blocks_tile_the_slice_in_cache_sized_pieces(local, count):
         for srcs, dst, back, targets, s, e in plan.blocks:
             # every segment's block, in local-rank order: the same bits on every path
             assert [src[0] for src in srcs] == [views[r][s] for r in range(local)]
+            assert [src[-1] for src in srcs] == [views[r][e - 1] for r in range(local)]
+            assert all(x.size == e - s for x in srcs + targets + (dst,))
             written = back if back is not None else dst
             assert np.shares_memory(written, views[lr]) and written.size == e - s
             # pushed into every other segment's same items, while the block is in cache

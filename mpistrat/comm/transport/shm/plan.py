@@ -8,7 +8,8 @@ import numpy as np
 
 __all__ = ["PAIR_BLOCKS", "ReducePlan", "ScatterLayout", "make_plan", "one_sync_tail", "sums_aside"]
 
-# A two-rank plan's block in ``step``s: its two segments' blocks fill what eight blocks of the wider plan do.
+# A two-rank plan's block in ``step``s: the two segments' blocks a bare reduce touches then fill what the wider
+# plan's eight do (a call with a private result or source touches a third).
 PAIR_BLOCKS = 4
 
 
@@ -53,9 +54,9 @@ def make_plan(
 ) -> ReducePlan:
     """The plan of node rank ``local_rank`` for a bucket whose segments are ``views`` (one per node
     rank), cut at ``bounds`` among the ``owners``, in cache-sized blocks: of ``step`` items when more
-    than two ranks share the node (a block touches up to eight: the segments' and ``tmp``), summed into
-    ``tmp`` (then copied back) when given; of ``PAIR_BLOCKS * step`` on two ranks, whose block touches
-    the two segments' only, so that the slice is pushed while in cache, not read back from memory."""
+    than two ranks share the node (a block touches every segment's block, and ``tmp``'s), summed into
+    ``tmp`` (then copied back) when given; of ``PAIR_BLOCKS * step`` on two ranks (``PAIR_BLOCKS``). On one
+    node each block is pushed right after its sum, while in cache, not read back from memory."""
     lr, n = local_rank, len(views)
     count = bounds[-1]
     blocks: list[tuple] = []
@@ -70,7 +71,7 @@ def make_plan(
         lo, hi = bounds[lr], bounds[lr + 1]
         own = views[lr]
         if n == 2:
-            pair = max(1, PAIR_BLOCKS * step)
+            pair = PAIR_BLOCKS * max(1, step)
             for s in range(lo, hi, pair):
                 e = min(s + pair, hi)
                 blocks.append(((views[0][s:e], views[1][s:e]), own[s:e], None, push(s, e), s, e))
