@@ -40,8 +40,8 @@ def test_blocks_tile_the_slice_in_cache_sized_pieces(local, count):
 
 
 def test_two_ranks_push_a_long_slice_block_by_block():
-    # A 64 MiB float32 bucket: a slice of 8 Mi items would be summed whole, then read back from memory to push.
-    count = 16 << 20
+    # A slice 32 blocks long: summed whole, then pushed, it would be read back from memory beyond the cache.
+    count = 2 * 32 * PAIR_BLOCKS * STEP
     _, bounds, plan = _plan(2, 0, count)
     assert len(plan.blocks) == (bounds[1] - bounds[0]) // (PAIR_BLOCKS * STEP)
     assert all(b[1].size == PAIR_BLOCKS * STEP == b[3][0].size for b in plan.blocks)

@@ -55,8 +55,8 @@ def make_plan(
     """The plan of node rank ``local_rank`` for a bucket whose segments are ``views`` (one per node
     rank), cut at ``bounds`` among the ``owners``, in cache-sized blocks: of ``step`` items when more
     than two ranks share the node (a block touches every segment's block, and ``tmp``'s), summed into
-    ``tmp`` (then copied back) when given; of ``PAIR_BLOCKS * step`` on two ranks (``PAIR_BLOCKS``). On one
-    node each block is pushed right after its sum, while in cache, not read back from memory."""
+    ``tmp`` (then copied back) when given; of ``PAIR_BLOCKS * step`` on two ranks. On one node each
+    block is pushed right after its sum, while in cache, not read back from memory."""
     lr, n = local_rank, len(views)
     count = bounds[-1]
     blocks: list[tuple] = []
