@@ -70,15 +70,10 @@ def make_plan(
     if lr < owners and bounds[lr + 1] > bounds[lr]:
         lo, hi = bounds[lr], bounds[lr + 1]
         own = views[lr]
-        if n == 2:
-            pair = PAIR_BLOCKS * max(1, step)
-            for s in range(lo, hi, pair):
-                e = min(s + pair, hi)
-                blocks.append(((views[0][s:e], views[1][s:e]), own[s:e], None, push(s, e), s, e))
-        elif n > 2:  # summed in local-rank order
-            step = max(1, step)
-            for s in range(lo, hi, step):
-                e = min(s + step, hi)
+        if n >= 2:  # summed in local-rank order
+            width = max(1, step) * (PAIR_BLOCKS if n == 2 else 1)
+            for s in range(lo, hi, width):
+                e = min(s + width, hi)
                 srcs = tuple(v[s:e] for v in views)
                 if tmp is None:
                     blocks.append((srcs, own[s:e], None, push(s, e), s, e))
