@@ -20,8 +20,8 @@ The paths and probes:
   reduce-scatter at every size, its result left in the window (``allreduce.py``'s window column);
   on pretend nodes, the hierarchical path;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
-  out=a)`` over the halves of an n-byte region of node shared memory / of a private array, every rank
-  at once) and ``fault`` (first touch of a fresh n-byte private anonymous mapping, up to 1 MiB,
+  out=a)`` over the halves of an n-byte region of node shared memory / of a private array, both written
+  before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte private anonymous mapping, up to 1 MiB,
   once per ``--measure``, after the sweeps: one value per round, not per sweep).
 
 It merges the layout's sweep medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs
@@ -47,7 +47,8 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   buffer receives, from 32 MiB (glibc maps allocations above its largest mmap threshold afresh on
   every call);
 * hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes of window
-  all-reduced with MPI across the nodes (its sums into the window at the shared-memory probe's cost),
+  all-reduced with MPI across the nodes (its sums into the window at the shared-memory probe's cost; its
+  copies, of the window's 4 KiB pages, growing beyond the fit as a pass over twice their bytes),
   the push;
 * ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
@@ -57,9 +58,9 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   run's step.
 
 Two variants are checked: ``alpha-beta`` (constant per-byte costs) and ``+cache`` (beyond the fit's
-working set, a byte the window writes or a sum reads costs what the probe's pass costs more there than
-at the fit's largest, on top of its fitted cost: the fit's sizes stay in cache, the held-out ones do
-not). The projection uses ``+cache``.
+working set, a byte the window writes, a sum reads or MPI copies of window memory costs what the probe's
+pass costs more there than at the fit's largest, on top of its fitted cost: the fit's sizes stay in cache,
+the held-out ones do not). The projection uses ``+cache``.
 
 The network's latency and bandwidth are parameters. The defaults are a published HDR InfiniBand
 figure, not measured or validated here: Microsoft's HBv3-series performance page gives 1.2 us
@@ -141,7 +142,7 @@ def _memory_probes(machine: Any, max_bytes: int) -> tuple[Callable, Callable, Ca
     shared = np.frombuffer(win.tomemory(), dtype=np.float32)
     shared[:] = 0  # first touch now, not in a timed pass
     # Written now, every page: np.zeros leaves its pages unwritten, and a half the pass only reads would
-    # read the kernel's one zero page, which stays in cache whatever the size (16-64 MiB: 20% cheaper).
+    # read the kernel's zero page (with huge pages, its one 2 MiB zero page), in cache whatever the size.
     private = np.zeros(max_bytes // 4, dtype=np.float32)
     private.fill(0)
 
@@ -381,7 +382,8 @@ class Machine:
 
     ``ws``: machine working sets (bytes: both ranks' regions) at which ``shm`` and ``private``, the
     seconds per byte of one rank's pass over its region (node shared memory with 4 KiB pages, like the
-    window; a private array, like MPI's buffers), were measured; ``fault``: seconds per byte first
+    window; a private array, written first and, as one allocation of ``--max-size``, on NumPy's huge pages
+    from 4 MiB, like MPI's buffers of that size), were measured; ``fault``: seconds per byte first
     touched; ``constant``: per-byte costs never grow with the working set (the plain alpha-beta model).
     """
 
@@ -508,8 +510,8 @@ class Model:
     def mpi_step(self, x: float, ws: float) -> float:
         """One MPI message step of ``x`` bytes between ranks of one machine. MPICH copies a message of
         ``MPICH_CMA_MIN`` bytes or more once, in the kernel, page by page (CMA), after a handshake that
-        a shorter message through its shared cells does without; the kernel's cost per byte does not
-        follow the cache, so it never grows."""
+        a shorter message through its shared cells does without; on private arrays its cost per byte
+        does not follow the cache (on window memory, :meth:`copy_growth`)."""
         return _message_step(x, self.a_mpi, self.a_eager, self.b_mpi)
 
     def core_step(self, x: float) -> float:
@@ -518,6 +520,14 @@ class Model:
         if self.a_core is None or self.b_core is None:
             raise ValueError(_NO_SAME_CORE)
         return _message_step(x, self.a_core, self.a_core_eager, self.b_core)
+
+    def copy_growth(self, memory: str, ws: float) -> float:
+        """Seconds per byte an MPI step's copy of ``memory`` costs more at machine working set ``ws`` than at
+        the fit's sizes. Window memory (``shm``) lies on 4 KiB pages, whose kernel copies grow beyond the
+        cache: a pass over twice the bytes copied (read and written, as :meth:`reduce` charges a sum), the
+        shared-memory probe's extra. Private arrays (NumPy puts those of 4 MiB and more on huge pages, whose
+        copies barely grow: benchmarks/README.md) grow by nothing."""
+        return 2 * self.machine.extra("shm", ws) if memory == "shm" else 0.0
 
     def reduce(self, x: float, ws: float, memory: str = "private") -> float:
         """Summing a received ``x`` bytes into ``x`` bytes of ``memory`` (``private``: a NumPy array; ``shm``:
@@ -544,15 +554,17 @@ class Model:
         ranks ``2^(k-1)`` apart: on two cores, each core copies for its ``per_core`` ranks one after
         the other; on one core (that distance in world ranks a multiple of ``cores``), each core holds
         ``per_core / 2`` such pairs, each exchange the same-core run's step. Each core sums, and
-        faults MPICH's scratch buffer in, for its ``per_core`` ranks."""
+        faults MPICH's scratch buffer in, for its ``per_core`` ranks. Copies of window memory grow
+        beyond the fit (:meth:`copy_growth`)."""
         steps = round(math.log2(ranks))
+        grow = self.copy_growth(memory, ws)
         t = 0.0
         for k in range(1, steps + 1):
             x = n / 2**k
             if per_core > 1 and (stride * 2 ** (k - 1)) % cores == 0:
-                step = per_core / 2 * self.core_step(x)
+                step = per_core / 2 * (self.core_step(x) + grow * x)
             else:
-                step = per_core * self.mpi_step(x, ws)
+                step = per_core * (self.mpi_step(x, ws) + grow * x)
             t += 2 * step + per_core * self.reduce(x, ws, memory)
         return t + per_core * self.faults(n, ranks)
 

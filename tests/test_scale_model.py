@@ -232,6 +232,28 @@ def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
     assert cross > model.mpi_machine(n / 2, 2, ws / 2)  # the window's pages: the shm probe's dearer pass
 
 
+def test_copies_of_window_memory_grow_beyond_the_fit_and_copies_of_private_arrays_do_not():
+    model = _truth()
+    ws = float(64 << 20)
+    assert model.copy_growth("private", ws) == 0.0  # NumPy's huge pages
+    assert model.copy_growth("shm", 2 * sm.FIT_MAX) == 0.0  # within the fit's working set
+    assert model.copy_growth("shm", ws) == pytest.approx(2 * model.machine.extra("shm", ws))
+    assert model.copy_growth("shm", ws) > 0.0
+    # The owners' all-reduce of 4 ranks on 2 pretend nodes: one same-core step each way of n / 4, its
+    # copies of window memory grown at the owners' working set.
+    n = float(16 << 20)
+    x, owners_ws = n / 4, 2 * n
+    expected = (2 * (model.core_step(x) + model.copy_growth("shm", owners_ws) * x)
+                + 2 * model.reduce(x, owners_ws, "shm") + 2 * model.faults(n / 2, 2))
+    assert model.mpi_machine(n / 2, 2, owners_ws, per_core=2, cores=2, stride=2, memory="shm") == pytest.approx(
+        expected)
+    assert model.mpi_machine(n, 2, 2 * n) == pytest.approx(  # private arrays: the fitted steps alone
+        2 * model.mpi_step(n / 2, 2 * n) + model.reduce(n / 2, 2 * n) + model.faults(n, 2))
+    constant = sm.Model(sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=True), 3e-6, 0.1e-9,
+                        2.5e-6, 0.25e-9)
+    assert constant.copy_growth("shm", ws) == 0.0
+
+
 def test_sums_cost_the_probe_pass_of_their_memory():
     model = _truth()
     x, ws = float(4 << 20), float(64 << 20)
