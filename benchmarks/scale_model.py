@@ -21,8 +21,8 @@ The paths and probes:
   on pretend nodes, the hierarchical path;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
   out=a)`` over the halves of an n-byte region of node shared memory / of a private array, both written
-  before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte private anonymous mapping, up to 1 MiB,
-  once per ``--measure``, after the sweeps: one value per round, not per sweep).
+  before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte private anonymous
+  mapping, up to 1 MiB, once per ``--measure``, after the sweeps: one value per round, not per sweep).
 
 It merges the layout's sweep medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs
 no MPI: it takes per size the least of its sweeps (``--statistic min``, the default: the model has no
@@ -47,9 +47,9 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   buffer receives, from 32 MiB (glibc maps allocations above its largest mmap threshold afresh on
   every call);
 * hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes of window
-  all-reduced with MPI across the nodes (its sums into the window at the shared-memory probe's cost; its
-  copies, of the window's 4 KiB pages, growing beyond the fit as a pass over twice their bytes),
-  the push;
+  all-reduced with MPI across the nodes (its sums into the window at the shared-memory probe's cost; on
+  pretend nodes its copies, of the window's 4 KiB pages, growing beyond the fit as a pass over twice
+  their bytes; across a network, the link's), the push;
 * ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
   synchronisation costs the hand-over of the core (fitted on the run with both ranks on one core)
