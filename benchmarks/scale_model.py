@@ -58,9 +58,9 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   run's step.
 
 Two variants are checked: ``alpha-beta`` (constant per-byte costs) and ``+cache`` (beyond the fit's
-working set, a byte the window writes, a sum reads or MPI copies of window memory costs what the probe's
-pass costs more there than at the fit's largest, on top of its fitted cost: the fit's sizes stay in cache,
-the held-out ones do not). The projection uses ``+cache``.
+working set, a byte the window writes or a sum reads costs what the probe's pass costs more there than
+at the fit's largest, on top of its fitted cost, and a byte MPI copies of window memory twice that: the
+fit's sizes stay in cache, the held-out ones do not). The projection uses ``+cache``.
 
 The network's latency and bandwidth are parameters. The defaults are a published HDR InfiniBand
 figure, not measured or validated here: Microsoft's HBv3-series performance page gives 1.2 us
@@ -525,8 +525,9 @@ class Model:
         """Seconds per byte an MPI step's copy of ``memory`` costs more at machine working set ``ws`` than at
         the fit's sizes. Window memory (``shm``) lies on 4 KiB pages, whose kernel copies grow beyond the
         cache: a pass over twice the bytes copied (read and written, as :meth:`reduce` charges a sum), the
-        shared-memory probe's extra. Private arrays (NumPy puts those of 4 MiB and more on huge pages, whose
-        copies barely grow: benchmarks/README.md) grow by nothing."""
+        shared-memory probe's extra. Private arrays grow by nothing, an approximation: NumPy puts those of
+        4 MiB and more on huge pages, whose copies barely grow (benchmarks/README.md); smaller ones, and
+        MPICH's scratch buffer, lie on 4 KiB pages but little beyond the fit."""
         return 2 * self.machine.extra("shm", ws) if memory == "shm" else 0.0
 
     def reduce(self, x: float, ws: float, memory: str = "private") -> float:
@@ -562,7 +563,7 @@ class Model:
         for k in range(1, steps + 1):
             x = n / 2**k
             if per_core > 1 and (stride * 2 ** (k - 1)) % cores == 0:
-                step = per_core / 2 * (self.core_step(x) + grow * x)
+                step = per_core / 2 * self.core_step(x) + per_core * grow * x  # both ranks' copies
             else:
                 step = per_core * (self.mpi_step(x, ws) + grow * x)
             t += 2 * step + per_core * self.reduce(x, ws, memory)

@@ -243,10 +243,16 @@ def test_copies_of_window_memory_grow_beyond_the_fit_and_copies_of_private_array
     # copies of window memory grown at the owners' working set.
     n = float(16 << 20)
     x, owners_ws = n / 4, 2 * n
-    expected = (2 * (model.core_step(x) + model.copy_growth("shm", owners_ws) * x)
-                + 2 * model.reduce(x, owners_ws, "shm") + 2 * model.faults(n / 2, 2))
+    growth = model.copy_growth("shm", owners_ws) * x  # per copy; the core copies for both of its ranks
+    expected = (2 * (model.core_step(x) + 2 * growth) + 2 * model.reduce(x, owners_ws, "shm")
+                + 2 * model.faults(n / 2, 2))
     assert model.mpi_machine(n / 2, 2, owners_ws, per_core=2, cores=2, stride=2, memory="shm") == pytest.approx(
         expected)
+    # A core per rank (the pretend nodes' owners on two cores): each rank's copy grows the same.
+    assert model.mpi_machine(n / 2, 2, owners_ws, memory="shm") == pytest.approx(
+        2 * (model.mpi_step(x, owners_ws) + growth) + model.reduce(x, owners_ws, "shm") + model.faults(n / 2, 2))
+    assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(
+        2 * model.a_window + model.window_byte(4 * n) * n + model.mpi_machine(n / 2, 2, owners_ws, memory="shm"))
     assert model.mpi_machine(n, 2, 2 * n) == pytest.approx(  # private arrays: the fitted steps alone
         2 * model.mpi_step(n / 2, 2 * n) + model.reduce(n / 2, 2 * n) + model.faults(n, 2))
     constant = sm.Model(sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=True), 3e-6, 0.1e-9,
