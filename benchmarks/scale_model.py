@@ -134,6 +134,31 @@ def layout_key(ranks: int, nodes: int, pretend: bool, one_core: bool = False) ->
 
 
 # -- measuring (under mpiexec) --------------------------------------------------------------------
+def _huge_page_bytes() -> int:
+    """The kernel's transparent huge page (PMD) size, 2 MiB where it does not say."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+def private_region(nbytes: int) -> np.ndarray:
+    """``nbytes`` of private float32 memory, every page written, starting on a huge page boundary of one
+    NumPy allocation (which NumPy advises onto huge pages, from 4 MiB).
+
+    A fresh ``np.zeros`` per size lies on huge pages or not by the allocator's history: a 4 MiB array was
+    on them for 24-50% of its pages, an 8 or 16 MiB one for 50-100%, in the same process (benchmarks/README.md),
+    and MPI's copies of 4 KiB pages cost up to 1.3 times more beyond the cache. Slices of this region lie on
+    huge pages at every size, the same in every run."""
+    huge = _huge_page_bytes()
+    whole = np.empty((nbytes + huge) // 4, dtype=np.float32)
+    skip = (-whole.ctypes.data) % huge
+    region = whole[skip // 4 : (skip + nbytes) // 4]
+    region.fill(0)  # a page never written reads as the kernel's zero page (in cache at any size)
+    return region
+
+
 def _memory_probes(machine: Any, max_bytes: int) -> tuple[Callable, Callable, Callable, Any]:
     """Setups ``size -> callable`` of the three probes, and the shared window to free afterwards."""
     from mpi4py import MPI
@@ -141,10 +166,7 @@ def _memory_probes(machine: Any, max_bytes: int) -> tuple[Callable, Callable, Ca
     win = MPI.Win.Allocate_shared(max_bytes, 4, comm=machine)
     shared = np.frombuffer(win.tomemory(), dtype=np.float32)
     shared[:] = 0  # first touch now, not in a timed pass
-    # Every page written now: a page never written reads as the kernel's zero page (with huge pages, its
-    # one 2 MiB zero page), in cache whatever the size, and the pass only reads one half.
-    private = np.empty(max_bytes // 4, dtype=np.float32)
-    private.fill(0)
+    private = private_region(max_bytes)
 
     def halves(buf: np.ndarray, size: int) -> Callable[[], None]:
         a, b = buf[: size // 8], buf[size // 8 : size // 4]
@@ -200,6 +222,7 @@ def measure(args: argparse.Namespace) -> int:
             machine.Free()
             raise SystemExit(f"scale_model.py --measure --append: {problem}")
     shm_probe, private_probe, fault_probe, probe_win = _memory_probes(machine, max(sizes))
+    mpi_region = private_region(max(sizes))  # MPI's buffer at every size: on huge pages, whatever ran before
     names = list(PATHS) + list(PROBES)
     medians: dict[str, list[list[float]]] = {name: [[] for _ in sizes] for name in names}
     iters: list[list[int]] = [[] for _ in sizes]
@@ -212,7 +235,7 @@ def measure(args: argparse.Namespace) -> int:
         for i in np.random.default_rng([SWEEP_ORDER_SEED, stored + sweep]).permutation(len(sizes)).tolist():
             size = sizes[i]
             count = size // 4
-            buf = np.zeros(count, dtype=np.float32)
+            buf = mpi_region[:count]
 
             def mpi(buf: np.ndarray = buf) -> None:
                 world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
