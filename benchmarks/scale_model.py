@@ -134,29 +134,21 @@ def layout_key(ranks: int, nodes: int, pretend: bool, one_core: bool = False) ->
 
 
 # -- measuring (under mpiexec) --------------------------------------------------------------------
-def _huge_page_bytes() -> int:
-    """The kernel's transparent huge page (PMD) size, 2 MiB where it does not say."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 2 << 20
-
-
 def private_region(nbytes: int) -> np.ndarray:
-    """``nbytes`` of private float32 memory, every page written, starting on a huge page boundary of one
-    NumPy allocation (which NumPy advises onto huge pages, from 4 MiB).
+    """``nbytes`` of private float32 memory on 4 KiB pages, every page written.
 
-    A fresh ``np.zeros`` per size lies on huge pages or not by the allocator's history: a 4 MiB array was
-    on them for 24-50% of its pages, an 8 or 16 MiB one for 50-100%, in the same process (benchmarks/README.md),
-    and MPI's copies of 4 KiB pages cost up to 1.3 times more beyond the cache. Slices of this region lie on
-    huge pages at every size, the same in every run."""
-    huge = _huge_page_bytes()
-    whole = np.empty((nbytes + huge) // 4, dtype=np.float32)
-    skip = (-whole.ctypes.data) % huge
-    region = whole[skip // 4 : (skip + nbytes) // 4]
-    region.fill(0)  # a page never written reads as the kernel's zero page (in cache at any size)
-    return region
+    A fresh ``np.zeros`` per size lies on huge pages or not by the allocator's history (NumPy advises
+    arrays of 4 MiB and more onto them): a 4 MiB array had 24-50% of its pages huge, an 8 or 16 MiB one
+    50-100%, in one process, and MPI's copies cost up to 1.4 times more on 4 KiB pages (benchmarks/README.md).
+    Slices of this region lie on 4 KiB pages at every size, as the window's memory and MPICH's scratch
+    buffer do, the same in every run."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    no_huge = getattr(mmap, "MADV_NOHUGEPAGE", None)  # Linux only
+    if no_huge is not None:
+        region.madvise(no_huge)
+    array = np.frombuffer(region, dtype=np.float32)
+    array.fill(0)  # a page never written reads as the kernel's zero page (in cache at any size)
+    return array
 
 
 def _memory_probes(machine: Any, max_bytes: int) -> tuple[Callable, Callable, Callable, Any]:
@@ -222,7 +214,7 @@ def measure(args: argparse.Namespace) -> int:
             machine.Free()
             raise SystemExit(f"scale_model.py --measure --append: {problem}")
     shm_probe, private_probe, fault_probe, probe_win = _memory_probes(machine, max(sizes))
-    mpi_region = private_region(max(sizes))  # MPI's buffer at every size: on huge pages, whatever ran before
+    mpi_region = private_region(max(sizes))  # MPI's buffer at every size: on 4 KiB pages, whatever ran before
     names = list(PATHS) + list(PROBES)
     medians: dict[str, list[list[float]]] = {name: [[] for _ in sizes] for name in names}
     iters: list[list[int]] = [[] for _ in sizes]
@@ -546,12 +538,10 @@ class Model:
 
     def copy_growth(self, memory: str, ws: float) -> float:
         """Seconds per byte an MPI step's copy of ``memory`` costs more at machine working set ``ws`` than at
-        the fit's sizes. Window memory (``shm``) lies on 4 KiB pages, whose kernel copies grow beyond the
-        cache: a pass over twice the bytes copied (read and written, as :meth:`reduce` charges a sum), the
-        shared-memory probe's extra. Private arrays grow by nothing, an approximation: NumPy puts those of
-        4 MiB and more on huge pages, whose copies barely grow (benchmarks/README.md); smaller ones, and
-        MPICH's scratch buffer, lie on 4 KiB pages but little beyond the fit."""
-        return 2 * self.machine.extra("shm", ws) if memory == "shm" else 0.0
+        the fit's sizes: a pass over twice the bytes copied (read and written, as :meth:`reduce` charges a
+        sum), the probe's extra. Every buffer measured lies on 4 KiB pages (the window's memory, MPICH's
+        scratch buffer, and :func:`private_region` for the arrays), whose kernel copies grow beyond the cache."""
+        return 2 * self.machine.extra(memory, ws)
 
     def reduce(self, x: float, ws: float, memory: str = "private") -> float:
         """Summing a received ``x`` bytes into ``x`` bytes of ``memory`` (``private``: a NumPy array; ``shm``:
