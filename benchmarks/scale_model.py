@@ -15,13 +15,14 @@ float32 sizes 4 KiB..64 MiB, in ``--repeats`` sweeps, each over the sizes in a n
 four layouts ``--rounds`` times in turn, so that each layout's sweeps come from several moments.
 The paths and probes:
 
-* ``mpi``: raw ``Allreduce(IN_PLACE)``, MPI within the machine;
+* ``mpi``: raw ``Allreduce(IN_PLACE)``, MPI within the machine, on a private array of 4 KiB pages
+  (:func:`private_region`, as the window's memory);
 * ``window``: the shared-memory window engine, ``ShmTransport`` on a bucket already packed, the
   reduce-scatter at every size, its result left in the window (``allreduce.py``'s window column);
   on pretend nodes, the hierarchical path;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
-  out=a)`` over the halves of an n-byte region of node shared memory / of a private array, both written
-  before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte private anonymous
+  out=a)`` over the halves of an n-byte region of node shared memory / of a private region, both on 4 KiB
+  pages and written before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte private anonymous
   mapping, up to 1 MiB, once per ``--measure``, after the sweeps: one value per round, not per sweep).
 
 It merges the layout's sweep medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs
@@ -48,19 +49,18 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   every call);
 * hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes of window
   all-reduced with MPI across the nodes (its sums into the window at the shared-memory probe's cost; on
-  pretend nodes its copies, of the window's 4 KiB pages, growing beyond the fit as a pass over twice
-  their bytes; across a network, the link's), the push;
+  pretend nodes its copies growing beyond the fit as MPI's do; across a network, the link's), the push;
 * ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
-  synchronisation costs the hand-over of the core (fitted on the run with both ranks on one core)
-  besides ``a_w``; an MPI step between ranks of two cores is each core's ranks' steps one after the
+  synchronisation costs the hand-over of the core besides ``a_w``, and a byte their plans write the
+  same-core run's cost (both fitted on the run with both ranks on one core); an MPI step between ranks of two cores is each core's ranks' steps one after the
   other, a step between ranks of one core (ranks 2^(k-1) apart, a multiple of the cores) the same-core
   run's step.
 
 Two variants are checked: ``alpha-beta`` (constant per-byte costs) and ``+cache`` (beyond the fit's
 working set, a byte the window writes or a sum reads costs what the probe's pass costs more there than
-at the fit's largest, on top of its fitted cost, and a byte MPI copies of window memory twice that: the
-fit's sizes stay in cache, the held-out ones do not). The projection uses ``+cache``.
+at the fit's largest, on top of its fitted cost, and a byte MPI copies twice that, every buffer being on
+4 KiB pages: the fit's sizes stay in cache, the held-out ones do not). The projection uses ``+cache``.
 
 The network's latency and bandwidth are parameters. The defaults are a published HDR InfiniBand
 figure, not measured or validated here: Microsoft's HBv3-series performance page gives 1.2 us
@@ -397,8 +397,7 @@ class Machine:
 
     ``ws``: machine working sets (bytes: both ranks' regions) at which ``shm`` and ``private``, the
     seconds per byte of one rank's pass over its region (node shared memory with 4 KiB pages, like the
-    window; a private array, written first and, as one allocation of ``--max-size``, on NumPy's huge pages
-    from 4 MiB, like MPI's buffers of that size), were measured; ``fault``: seconds per byte first
+    window; a private region on 4 KiB pages, like MPI's buffer, :func:`private_region`), were measured; ``fault``: seconds per byte first
     touched; ``constant``: per-byte costs never grow with the working set (the plain alpha-beta model).
     """
 
@@ -489,9 +488,10 @@ class Model:
     seconds per byte sent. Summing a received ``x`` bytes costs the probe's pass over ``2 x`` bytes of its
     memory (:meth:`reduce`); per-byte costs grow with the working set beyond the fit's (:meth:`Machine.extra`).
 
-    Fitted on the 2-rank run with both ranks on one core (None without it): ``a_window_core``, seconds
-    per node synchronisation of ranks that share a core (the hand-over of the core; the passes as
-    ``b_window``, one after the other); ``a_core``, ``b_core``, ``a_core_eager``: an MPI message step
+    Fitted on the 2-rank run with both ranks on one core (None without it), as the fit run's: ``a_window_core``,
+    seconds per node synchronisation of ranks that share a core (the hand-over of the core);
+    ``b_window_core``, seconds per byte the plans of ranks that share a core write, one after the other
+    (their blocks share the core's caches); ``a_core``, ``b_core``, ``a_core_eager``: an MPI message step
     between two ranks of one core (both ranks' copies, on that core), as ``a_mpi``, ``b_mpi``, ``a_eager``.
     """
 
@@ -502,32 +502,38 @@ class Model:
     b_mpi: float
     a_eager: float | None = None
     a_window_core: float | None = None
+    b_window_core: float | None = None
     a_core: float | None = None
     b_core: float | None = None
     a_core_eager: float | None = None
     scratch_faults: bool = True  # False: as with MALLOC_MMAP_MAX_=0 (MPICH's scratch buffer stays mapped)
 
     # -- one machine (all ranks share its memory) --
-    def window_byte(self, ws: float) -> float:
-        """Seconds per byte the window's reduce plan writes at machine working set ``ws``."""
-        return self.b_window + self.machine.extra("shm", ws)
+    def window_byte(self, ws: float, shared_core: bool = False) -> float:
+        """Seconds per byte the window's reduce plan writes at machine working set ``ws``, by a rank with a core
+        of its own or (``shared_core``) one that shares its core."""
+        if not shared_core:
+            return self.b_window + self.machine.extra("shm", ws)
+        if self.b_window_core is None:
+            raise ValueError(_NO_SAME_CORE)
+        return self.b_window_core + self.machine.extra("shm", ws)
 
     def window_plans(self, n: float, local: int, ranks: int, cores: int, ws: float) -> float:
         """The window's reduce plans of ``ranks`` in nodes of ``local`` on ``cores`` cores (:func:`core_load`),
         between the synchronisations."""
-        return core_load(local, ranks, cores) * self.window_byte(ws) * n
+        return core_load(local, ranks, cores) * self.window_byte(ws, shared_core=ranks > cores) * n
 
     def window_node(self, n: float, local: int, ws: float) -> float:
         """The window's reduce-scatter and push on a node of ``local`` ranks, a core per rank: two node
         synchronisations and the slowest rank's plan."""
         return 2 * self.a_window + self.window_plans(n, local, local, local, ws)
 
-    def mpi_step(self, x: float, ws: float) -> float:
-        """One MPI message step of ``x`` bytes between ranks of one machine. MPICH copies a message of
-        ``MPICH_CMA_MIN`` bytes or more once, in the kernel, page by page (CMA), after a handshake that
-        a shorter message through its shared cells does without; on private arrays its cost per byte
-        does not follow the cache (on window memory, :meth:`copy_growth`)."""
-        return _message_step(x, self.a_mpi, self.a_eager, self.b_mpi)
+    def mpi_step(self, x: float, ws: float, memory: str = "private") -> float:
+        """One MPI message step of ``x`` bytes of ``memory`` between ranks of one machine at machine working set
+        ``ws``. MPICH copies a message of ``MPICH_CMA_MIN`` bytes or more once, in the kernel, page by page
+        (CMA), after a handshake that a shorter message through its shared cells does without; beyond the
+        fit the copy grows (:meth:`copy_growth`)."""
+        return _message_step(x, self.a_mpi, self.a_eager, self.b_mpi) + self.copy_growth(memory, ws) * x
 
     def core_step(self, x: float) -> float:
         """One MPI message step of ``x`` bytes between two ranks of one core, both ranks' copies on it (the
@@ -568,18 +574,17 @@ class Model:
         ranks ``2^(k-1)`` apart: on two cores, each core copies for its ``per_core`` ranks one after
         the other; on one core (that distance in world ranks a multiple of ``cores``), each core holds
         ``per_core / 2`` such pairs, each exchange the same-core run's step. Each core sums, and
-        faults MPICH's scratch buffer in, for its ``per_core`` ranks. Copies of window memory grow
-        beyond the fit (:meth:`copy_growth`)."""
+        faults MPICH's scratch buffer in, for its ``per_core`` ranks. Copies grow beyond the fit
+        (:meth:`copy_growth`)."""
         steps = round(math.log2(ranks))
         grow = self.copy_growth(memory, ws)
         t = 0.0
         for k in range(1, steps + 1):
             x = n / 2**k
-            if per_core > 1 and (stride * 2 ** (k - 1)) % cores == 0:
-                step = per_core / 2 * self.core_step(x)
+            if per_core > 1 and (stride * 2 ** (k - 1)) % cores == 0:  # a pair's two copies on its core
+                step = per_core / 2 * (self.core_step(x) + 2 * grow * x)
             else:
-                step = per_core * self.mpi_step(x, ws)
-            step += per_core * grow * x  # either way the core copies for each of its ranks
+                step = per_core * self.mpi_step(x, ws, memory)
             t += 2 * step + per_core * self.reduce(x, ws, memory)
         return t + per_core * self.faults(n, ranks)
 
@@ -686,11 +691,10 @@ def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: floa
     return float(a), float(b)
 
 
-def _fit_lines(run: dict[str, Any], rest_of: Callable[[float], float],
-               window_b: float | None = None) -> tuple[float, float, float, float, float | None]:
+def _fit_lines(run: dict[str, Any], rest_of: Callable[[float], float]) -> tuple[float, float, float, float, float | None]:
     """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and the bytes
     the plans of the core that runs the most write, :func:`core_load`; within the fit's working set a byte
-    costs ``b``, no extra; ``window_b`` given: ``a`` alone), and MPI's ``a``, ``b``
+    costs ``b``, no extra), and MPI's ``a``, ``b``
     and the short steps' latency (None where every step is a kernel copy): one step each way of n/2 bytes
     plus ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies, the
     shorter steps' latency beside them."""
@@ -698,7 +702,7 @@ def _fit_lines(run: dict[str, Any], rest_of: Callable[[float], float],
     n = sizes[sizes <= FIT_MAX]
     window_t = np.array(run["time_s"]["window"], dtype=float)[: len(n)]
     written = core_load(run["local"], run["ranks"], run["cores"]) * n
-    a_w, b_w = _fit_line(written, np.zeros_like(n), window_t, 2, b=window_b)
+    a_w, b_w = _fit_line(written, np.zeros_like(n), window_t, 2)
     mpi_t = np.array(run["time_s"]["mpi"], dtype=float)[: len(n)]
     rest = np.array([rest_of(s) for s in n])
     cma = n / 2 >= MPICH_CMA_MIN
@@ -728,8 +732,8 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
         run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2))
     if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
         _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
-        model.a_window_core, _, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
-            core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)), window_b=model.b_window)
+        model.a_window_core, model.b_window_core, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
+            core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)))
     return model
 
 
@@ -859,11 +863,11 @@ def predict(args: argparse.Namespace) -> int:
     models = fit_all(runs)
     say("\n## Fitted on the 2-rank runs up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
         "byte the window's plan writes or MPI sends; sum: per byte summed; the fault and the per-byte growth "
-        "come from the probes; one core: the run with both ranks on one core, its synchronisation's hand-over "
-        "and its MPI step)\n")
+        "come from the probes; one core: the run with both ranks on one core, its synchronisation's hand-over, "
+        "its plans' bytes and its MPI step)\n")
     say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) "
-        "| sum (ns/B) | fault (us/page) | one core: hand-over (us) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
-    say("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| sum (ns/B) | fault (us/page) | one core: hand-over (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def us(value: float | None, fallback: float | None = None, scale: float = 1e6, digits: int = 2) -> str:
         value = fallback if value is None else value
@@ -873,7 +877,7 @@ def predict(args: argparse.Namespace) -> int:
         say(f"| {name} | {us(m.a_window)} | {us(m.b_window, scale=1e9, digits=3)} | {us(m.a_mpi)} | "
             f"{us(m.a_eager, m.a_mpi)} | {us(m.b_mpi, scale=1e9, digits=3)} | "
             f"{us(m.reduce(1.0, 0), scale=1e9, digits=3)} | {us(m.machine.fault * PAGE)} | {us(m.a_window_core)} | "
-            f"{us(m.a_core)} | {us(m.a_core_eager, m.a_core)} | "
+            f"{us(m.b_window_core, scale=1e9, digits=3)} | {us(m.a_core)} | {us(m.a_core_eager, m.a_core)} | "
             f"{us(m.b_core, scale=1e9, digits=3)} |")
     print_checks(checks(data, models), args.statistic, say)
     say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "

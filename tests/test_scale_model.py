@@ -46,10 +46,10 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
 def _truth() -> sm.Model:
     machine = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=False)
     return sm.Model(machine, a_window=3e-6, b_window=0.1e-9, a_mpi=2.5e-6, b_mpi=0.25e-9, a_eager=1.5e-6,
-                    a_window_core=20e-6, a_core=9e-6, b_core=0.4e-9, a_core_eager=6e-6)
+                    a_window_core=20e-6, b_window_core=0.13e-9, a_core=9e-6, b_core=0.4e-9, a_core_eager=6e-6)
 
 
-CORE_FIELDS = ("a_window_core", "a_core", "b_core", "a_core_eager")
+CORE_FIELDS = ("a_window_core", "b_window_core", "a_core", "b_core", "a_core_eager")
 
 
 def _data(truth: sm.Model) -> dict:
@@ -109,8 +109,8 @@ def test_mpi_follows_reduce_scatter_allgather():
     sum_per_byte = 2 * (model.machine.pass_cost("private", 2 * sm.FIT_MAX) + model.machine.extra("private", ws))
     assert model.machine.extra("private", ws) > 0  # beyond the fit's working set
 
-    def step(x: float) -> float:  # copied in the kernel: no growth
-        return model.a_mpi + model.b_mpi * x
+    def step(x: float) -> float:  # copied in the kernel from 4 KiB pages: grows as a pass over 2 x bytes
+        return model.a_mpi + model.b_mpi * x + 2 * model.machine.extra("private", ws) * x
 
     expected = 2 * step(n / 2) + n / 2 * sum_per_byte + 2 * step(n / 4) + n / 4 * sum_per_byte
     assert model.mpi_machine(n, 4, ws) == pytest.approx(expected)
@@ -196,11 +196,16 @@ def test_ranks_sharing_cores_run_one_after_the_other_and_hand_the_core_over_in_e
     n, ws = 4 << 20, 16 << 20  # 4 ranks: ws = 4 n
     byte = model.b_window + model.machine.extra("shm", ws)
     assert model.window_byte(ws) == pytest.approx(byte) and byte > model.b_window
+    shared = model.b_window_core + model.machine.extra("shm", ws)  # the same-core run's cost per byte written
+    assert model.window_byte(ws, shared_core=True) == pytest.approx(shared) and shared > byte
     assert model.measured_layout("window", n, 4, 1, 4) == pytest.approx(2 * model.a_window + 1.75 * byte * n)
     assert model.measured_layout("window", n, 4, 1, 2) == pytest.approx(
-        2 * (model.a_window + model.a_window_core) + (1.5 + 1.75) * byte * n)
+        2 * (model.a_window + model.a_window_core) + (1.5 + 1.75) * shared * n)
     assert model.measured_layout("window", n, 2, 1, 1) == pytest.approx(  # one core: no cross-core part
-        2 * model.a_window_core + 2 * model.window_byte(2 * n) * n)
+        2 * model.a_window_core + 2 * model.window_byte(2 * n, shared_core=True) * n)
+    without = sm.Model(model.machine, 3e-6, 0.1e-9, 2.5e-6, 0.25e-9, a_window_core=20e-6)
+    with pytest.raises(ValueError, match="one core"):
+        without.measured_layout("window", n, 4, 1, 2)
 
 
 def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
@@ -208,19 +213,24 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     # for its two ranks), step 2 ranks 2 apart (one core, one pair on each).
     model = _truth()
     n, ws = 1 << 20, 4 << 20
-    expected = (2 * 2 * model.mpi_step(n / 2, ws) + 2 * model.core_step(n / 4)
+    grow = model.copy_growth("private", ws)  # each core copies for both its ranks, on either kind of step
+    assert model.mpi_step(n / 2, ws) == pytest.approx(model.a_mpi + (model.b_mpi + grow) * n / 2)
+    expected = (2 * 2 * model.mpi_step(n / 2, ws) + 2 * (model.core_step(n / 4) + 2 * grow * n / 4)
                 + 2 * (model.reduce(n / 2, ws) + model.reduce(n / 4, ws)) + 2 * model.faults(n, 4))
+    assert grow > 0
     assert model.measured_layout("mpi", n, 4, 1, 2) == pytest.approx(expected)
     assert model.core_step(sm.MPICH_CMA_MIN) == pytest.approx(model.a_core + model.b_core * sm.MPICH_CMA_MIN)
     assert model.core_step(1024) == pytest.approx(model.a_core_eager + model.b_core * 1024)
     # On pretend nodes the slice owners 2 ranks apart, both on one core, all-reduce across the nodes;
     # each node's plan is two ranks', a byte written per byte each.
-    node = 2 * (model.a_window + model.a_window_core) + 2 * model.window_byte(ws) * n
-    cross = 2 * model.core_step(n / 4) + 2 * model.reduce(n / 4, ws / 2, "shm")  # sums on window memory
+    node = 2 * (model.a_window + model.a_window_core) + 2 * model.window_byte(ws, shared_core=True) * n
+    cross = (2 * (model.core_step(n / 4) + 2 * model.copy_growth("shm", ws / 2) * n / 4)
+             + 2 * model.reduce(n / 4, ws / 2, "shm"))  # copies and sums on window memory
     assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(node + cross)
     big = 64 << 20  # MPICH's scratch buffer faults in on both ranks of each core
     assert model.mpi_machine(big, 2, 2 * big, per_core=2, cores=1) == pytest.approx(
-        2 * model.core_step(big / 2) + 2 * model.reduce(big / 2, 2 * big) + 2 * model.faults(big, 2))
+        2 * (model.core_step(big / 2) + 2 * model.copy_growth("private", 2 * big) * big / 2)
+        + 2 * model.reduce(big / 2, 2 * big) + 2 * model.faults(big, 2))
 
 
 def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
@@ -232,13 +242,13 @@ def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
     assert cross > model.mpi_machine(n / 2, 2, ws / 2)  # the window's pages: the shm probe's dearer pass
 
 
-def test_copies_of_window_memory_grow_beyond_the_fit_and_copies_of_private_arrays_do_not():
+def test_copies_grow_beyond_the_fit_as_a_pass_over_their_memory():
     model = _truth()
     ws = float(64 << 20)
-    assert model.copy_growth("private", ws) == 0.0  # NumPy's huge pages
-    assert model.copy_growth("shm", 2 * sm.FIT_MAX) == 0.0  # within the fit's working set
-    assert model.copy_growth("shm", ws) == pytest.approx(2 * model.machine.extra("shm", ws))
-    assert model.copy_growth("shm", ws) > 0.0
+    for memory in ("shm", "private"):  # all on 4 KiB pages (private_region)
+        assert model.copy_growth(memory, 2 * sm.FIT_MAX) == 0.0  # within the fit's working set
+        assert model.copy_growth(memory, ws) == pytest.approx(2 * model.machine.extra(memory, ws))
+        assert model.copy_growth(memory, ws) > 0.0
     # The owners' all-reduce of 4 ranks on 2 pretend nodes: one same-core step each way of n / 4, its
     # copies of window memory grown at the owners' working set.
     n = float(16 << 20)
@@ -250,11 +260,13 @@ def test_copies_of_window_memory_grow_beyond_the_fit_and_copies_of_private_array
         expected)
     # A core per rank (the pretend nodes' owners on two cores): each rank's copy grows the same.
     assert model.mpi_machine(n / 2, 2, owners_ws, memory="shm") == pytest.approx(
-        2 * (model.mpi_step(x, owners_ws) + growth) + model.reduce(x, owners_ws, "shm") + model.faults(n / 2, 2))
+        2 * model.mpi_step(x, owners_ws, "shm") + model.reduce(x, owners_ws, "shm") + model.faults(n / 2, 2))
+    assert model.mpi_step(x, owners_ws, "shm") == pytest.approx(model.a_mpi + model.b_mpi * x + growth)
     assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(
         2 * model.a_window + model.window_byte(4 * n) * n + model.mpi_machine(n / 2, 2, owners_ws, memory="shm"))
-    assert model.mpi_machine(n, 2, 2 * n) == pytest.approx(  # private arrays: the fitted steps alone
-        2 * model.mpi_step(n / 2, 2 * n) + model.reduce(n / 2, 2 * n) + model.faults(n, 2))
+    assert model.mpi_machine(n, 2, 2 * n) == pytest.approx(  # private arrays: their own probe's growth
+        2 * (model.a_mpi + (model.b_mpi + model.copy_growth("private", 2 * n)) * n / 2) + model.reduce(n / 2, 2 * n)
+        + model.faults(n, 2))
     constant = sm.Model(sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=True), 3e-6, 0.1e-9,
                         2.5e-6, 0.25e-9)
     assert constant.copy_growth("shm", ws) == 0.0
@@ -460,6 +472,34 @@ def test_measure_on_one_core_writes_the_same_core_layout_and_its_fault_probe(tmp
     assert run["cores"] == 1 and run["machine_ranks"] == 2 and run["affinity"] == [[core], [core]]
     assert all(t is not None and t > 0 for t in run["time_s"]["fault"])  # every size up to 1 MiB
     assert run["fault_probe"] == sm.FAULT_PROBE
+
+
+def _vma_facts(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding ``address``."""
+    facts: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: lo-hi perms ...
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if inside:
+                    break
+                inside = lo <= address < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                facts[key] = value.strip()
+    return facts
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc/self/smaps tells a mapping's pages")
+def test_the_measured_private_memory_lies_on_4_kib_pages_every_page_written():
+    region = sm.private_region(8 << 20)  # above NumPy's 4 MiB huge-page advice
+    assert region.nbytes == 8 << 20 and region.dtype.name == "float32" and not region.any()
+    facts = _vma_facts(region.ctypes.data)
+    assert "nh" in facts["VmFlags"].split()  # MADV_NOHUGEPAGE
+    assert facts["AnonHugePages"] == "0 kB"
+    assert int(facts["Rss"].split()[0]) >= 8 << 10  # every page written: no zero page read
 
 
 @pytest.mark.parametrize("argv, message", [
