@@ -53,7 +53,7 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
 * ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
   synchronisation costs the hand-over of the core besides ``a_w``, and a byte their plans write the
-  same-core run's cost (both fitted on the run with both ranks on one core); an MPI step between ranks of two cores is each core's ranks' steps one after the
+  same-core run's cost within the cache (both fitted on the run with both ranks on one core); an MPI step between ranks of two cores is each core's ranks' steps one after the
   other, a step between ranks of one core (ranks 2^(k-1) apart, a multiple of the cores) the same-core
   run's step.
 
@@ -490,8 +490,8 @@ class Model:
 
     Fitted on the 2-rank run with both ranks on one core (None without it), as the fit run's: ``a_window_core``,
     seconds per node synchronisation of ranks that share a core (the hand-over of the core);
-    ``b_window_core``, seconds per byte the plans of ranks that share a core write, one after the other
-    (their blocks share the core's caches); ``a_core``, ``b_core``, ``a_core_eager``: an MPI message step
+    ``b_window_core``, seconds per byte the plans of ranks that share a core write, one after the other,
+    within the cache (their blocks share the core's caches: :meth:`window_byte`); ``a_core``, ``b_core``, ``a_core_eager``: an MPI message step
     between two ranks of one core (both ranks' copies, on that core), as ``a_mpi``, ``b_mpi``, ``a_eager``.
     """
 
@@ -511,12 +511,14 @@ class Model:
     # -- one machine (all ranks share its memory) --
     def window_byte(self, ws: float, shared_core: bool = False) -> float:
         """Seconds per byte the window's reduce plan writes at machine working set ``ws``, by a rank with a core
-        of its own or (``shared_core``) one that shares its core."""
+        of its own or (``shared_core``) one that shares its core. Both lose cache the fit's plans had: ranks
+        that share a core, as their blocks share its caches (what the same-core run pays more per byte); every
+        rank, beyond the fit's working set (the probe's extra). The loss is counted once, the larger of the two."""
         if not shared_core:
             return self.b_window + self.machine.extra("shm", ws)
         if self.b_window_core is None:
             raise ValueError(_NO_SAME_CORE)
-        return self.b_window_core + self.machine.extra("shm", ws)
+        return self.b_window + max(self.b_window_core - self.b_window, self.machine.extra("shm", ws))
 
     def window_plans(self, n: float, local: int, ranks: int, cores: int, ws: float) -> float:
         """The window's reduce plans of ``ranks`` in nodes of ``local`` on ``cores`` cores (:func:`core_load`),
