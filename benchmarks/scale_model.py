@@ -20,6 +20,8 @@ The paths and probes:
 * ``window``: the shared-memory window engine, ``ShmTransport`` on a bucket already packed, the
   reduce-scatter at every size, its result left in the window (``allreduce.py``'s window column);
   on pretend nodes, the hierarchical path;
+* ``mpi_waited``: ``Iallreduce(IN_PLACE)`` of node shared memory completed by the library's ``Waiter``, as
+  the hierarchical path's slice owners run their exchange; a fit input, judged nowhere;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
   out=a)`` over the halves of an n-byte region of node shared memory / of a private region, both on 4 KiB
   pages and written before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte private anonymous
@@ -49,11 +51,13 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   every call);
 * hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes of window
   all-reduced with MPI across the nodes (its sums into the window at the shared-memory probe's cost; on
-  pretend nodes its copies growing beyond the fit as MPI's do; across a network, the link's), the push;
+  pretend nodes its copies growing beyond the fit as MPI's do; across a network, the link's; plus what
+  the library's wait adds per call, ``mpi_waited``'s), the push;
 * ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
   synchronisation costs the hand-over of the core besides ``a_w``, and a byte their plans write the
-  same-core run's cost within the cache (both fitted on the run with both ranks on one core); an MPI step between ranks of two cores is each core's ranks' steps one after the
+  same-core run's cost within the cache (both fitted on the run with both ranks on one core); an MPI
+  step between ranks of two cores is each core's ranks' steps one after the
   other, a step between ranks of one core (ranks 2^(k-1) apart, a multiple of the cores) the same-core
   run's step.
 
@@ -111,6 +115,7 @@ DEFAULT_NET_GBPS = 192.0  # HBv3, HDR InfiniBand (200 Gb/s line rate), osu_bw, o
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_model.json")
 PATHS = ("mpi", "window")
 PROBES = ("shm_pass", "private_pass", "fault")
+WAITED = "mpi_waited"  # a fit input measured in every layout: what the library's wait adds to an MPI call
 FIT_LAYOUT = "2 ranks, 1 node"
 SAME_CORE_LAYOUT = "2 ranks, 1 node, one core"  # fitted too: what ranks that share a core pay
 # How the fault probe is taken, recorded with each run: before e8d4a94 it mapped shared pages (shmem,
@@ -151,13 +156,20 @@ def private_region(nbytes: int) -> np.ndarray:
     return array
 
 
-def _memory_probes(machine: Any, max_bytes: int) -> tuple[Callable, Callable, Callable, Any]:
-    """Setups ``size -> callable`` of the three probes, and the shared window to free afterwards."""
+def shared_region(machine: Any, nbytes: int) -> tuple[np.ndarray, Any]:
+    """This rank's ``nbytes`` of node shared memory (float32, every page written now, not in a timed call), and
+    the window to free afterwards."""
     from mpi4py import MPI
 
-    win = MPI.Win.Allocate_shared(max_bytes, 4, comm=machine)
-    shared = np.frombuffer(win.tomemory(), dtype=np.float32)
-    shared[:] = 0  # first touch now, not in a timed pass
+    win = MPI.Win.Allocate_shared(nbytes, 4, comm=machine)
+    region = np.frombuffer(win.tomemory(), dtype=np.float32)
+    region[:] = 0
+    return region, win
+
+
+def _memory_probes(machine: Any, max_bytes: int) -> tuple[Callable, Callable, Callable, Any]:
+    """Setups ``size -> callable`` of the three probes, and the shared window to free afterwards."""
+    shared, win = shared_region(machine, max_bytes)
     private = private_region(max_bytes)
 
     def halves(buf: np.ndarray, size: int) -> Callable[[], None]:
@@ -205,7 +217,7 @@ def measure(args: argparse.Namespace) -> int:
     facts = {"ranks": world.Get_size(), "nodes": lay.num_nodes, "local": lay.local_size, "machine_ranks": machine_ranks,
              "cores": cores, "sizes": sizes, "window": window.describe(),
              "mpi_library": MPI.Get_library_version().splitlines()[0].strip(), "commit": _commit(),
-             "fault_probe": FAULT_PROBE}
+             "fault_probe": FAULT_PROBE, "measured": list(PATHS) + [WAITED] + list(PROBES)}
     stored = 0  # sweeps of this layout already in the file (--append): the next sweep's order follows them
     if args.append:
         problem, stored = world.bcast(_append_state(args.data, key, facts) if world.Get_rank() == 0 else None, root=0)
@@ -215,7 +227,8 @@ def measure(args: argparse.Namespace) -> int:
             raise SystemExit(f"scale_model.py --measure --append: {problem}")
     shm_probe, private_probe, fault_probe, probe_win = _memory_probes(machine, max(sizes))
     mpi_region = private_region(max(sizes))  # MPI's buffer at every size: on 4 KiB pages, whatever ran before
-    names = list(PATHS) + list(PROBES)
+    waited_region, waited_win = shared_region(machine, max(sizes))  # as the slice owners' window memory
+    names = facts["measured"]
     medians: dict[str, list[list[float]]] = {name: [[] for _ in sizes] for name in names}
     iters: list[list[int]] = [[] for _ in sizes]
     say = print if world.Get_rank() == 0 else (lambda *a, **k: None)
@@ -236,7 +249,13 @@ def measure(args: argparse.Namespace) -> int:
                 window.pack_buffer(count, np.float32)
                 window.allreduce_packed(count, np.float32, "sum")
 
-            fns = {"mpi": mpi, "window": engine, "shm_pass": shm_probe(size), "private_pass": private_probe(size)}
+            def waited(buf: np.ndarray = waited_region[:count]) -> None:
+                request = world.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
+                if not window.waiter.until(request.Test, window.timeout_seconds):
+                    raise TimeoutError(f"scale_model.py --measure: Iallreduce waited over {window.timeout_seconds} s")
+
+            fns = {"mpi": mpi, "window": engine, WAITED: waited, "shm_pass": shm_probe(size),
+                   "private_pass": private_probe(size)}
             calls = list(fns.values())
             n_iter = choose_iters(world, calls, args.budget)
             times = samples(world, calls, n_iter)
@@ -263,6 +282,7 @@ def measure(args: argparse.Namespace) -> int:
     }
     window.close()
     probe_win.Free()
+    waited_win.Free()
     machine.Free()
     if world.Get_rank() == 0:
         _merge(args.data, key, run, args.append)
@@ -316,7 +336,7 @@ def _merge(path: str, key: str, run: dict[str, Any], append: bool = False) -> No
 
 _LAYOUT_FIELDS = ("ranks", "nodes", "local", "machine_ranks", "cores", "sizes")
 # the same on every round of a layout
-_APPEND_FIELDS = _LAYOUT_FIELDS + ("window", "mpi_library", "commit", "fault_probe")
+_APPEND_FIELDS = _LAYOUT_FIELDS + ("window", "mpi_library", "commit", "fault_probe", "measured")
 _ROUND_FIELDS = ("when_utc", "seconds", "load_average", "argv", "affinity")
 
 
@@ -493,6 +513,10 @@ class Model:
     ``b_window_core``, seconds per byte the plans of ranks that share a core write, one after the other,
     within the cache (their blocks share the core's caches: :meth:`window_byte`); ``a_core``, ``b_core``, ``a_core_eager``: an MPI message step
     between two ranks of one core (both ranks' copies, on that core), as ``a_mpi``, ``b_mpi``, ``a_eager``.
+
+    ``wait``, ``wait_core``: seconds the library's way of completing an MPI all-reduce (``Iallreduce`` polled by
+    its ``Waiter``) adds per call to MPI's own, a core per rank and (the same-core run's) two ranks on one
+    core (:func:`_wait_extra`; 0 and None where a run did not measure it).
     """
 
     machine: Machine
@@ -506,6 +530,8 @@ class Model:
     a_core: float | None = None
     b_core: float | None = None
     a_core_eager: float | None = None
+    wait: float = 0.0
+    wait_core: float | None = None
     scratch_faults: bool = True  # False: as with MALLOC_MMAP_MAX_=0 (MPICH's scratch buffer stays mapped)
 
     # -- one machine (all ranks share its memory) --
@@ -612,7 +638,17 @@ class Model:
         t = 2 * sync + self.window_plans(n, local, ranks, cores, ws)
         if nodes > 1:  # every slice owner all-reduces its n/local bytes of window with its peers on the other nodes
             t += self.mpi_machine(n / local, nodes, ws / local, per_core, cores, stride=local, memory="shm")
+            t += self.waited(shared_core=per_core > 1)
         return t
+
+    def waited(self, shared_core: bool) -> float:
+        """What the library's wait adds to the slice owners' all-reduce (one call per owner), a core per rank or
+        two ranks of one core each pair."""
+        if not shared_core:
+            return self.wait
+        if self.wait_core is None:
+            raise ValueError(_NO_SAME_CORE)
+        return self.wait_core
 
     # -- clusters --
     def net_allreduce(self, x: float, nodes: int, flows: int, ws: float, net: Network, short: int,
@@ -671,7 +707,7 @@ class Model:
             return self.flat(n, ranks, per_node, net)
         ws = per_node * n  # the node's; the owners' all-reduce touches their slices, ws / per_node (as measured_layout)
         return self.window_node(n, per_node, ws) + self.net_allreduce(
-            n / per_node, nodes, per_node, ws / per_node, net, MPICH_IALLREDUCE_SHORT, memory="shm")
+            n / per_node, nodes, per_node, ws / per_node, net, MPICH_IALLREDUCE_SHORT, memory="shm") + self.wait
 
 
 def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: float,
@@ -732,11 +768,25 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
     model = Model(machine, 0.0, 0.0, 0.0, 0.0)
     model.a_window, model.b_window, model.a_mpi, model.b_mpi, model.a_eager = _fit_lines(
         run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2))
+    model.wait = _wait_extra(run) or 0.0
     if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
         _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
         model.a_window_core, model.b_window_core, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
             core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)))
+        model.wait_core = _wait_extra(core_run) or 0.0
     return model
+
+
+def _wait_extra(run: dict[str, Any]) -> float | None:
+    """The median, over the sizes up to ``FIT_MAX``, of what ``mpi_waited`` (``Iallreduce`` of shared memory polled
+    by the library's waiter) costs more than ``mpi`` (``Allreduce``; both on 4 KiB pages, in cache at these
+    sizes): a cost per call. None where the run did not measure it (a file from before the seventeenth session)."""
+    waited = run["time_s"].get(WAITED)
+    if waited is None:
+        return None
+    pairs = [(w, m) for s, w, m in zip(run["sizes"], waited, run["time_s"]["mpi"])
+             if s <= FIT_MAX and w is not None and m is not None]
+    return statistics.median(w - m for w, m in pairs) if pairs else None
 
 
 # -- reports --------------------------------------------------------------------------------------
@@ -862,14 +912,19 @@ def predict(args: argparse.Namespace) -> int:
         if run.get("fault_probe") != FAULT_PROBE:
             say(f"#     its fault probe is not {FAULT_PROBE!r} (a file from before e8d4a94: shared pages, about "
                 "twice the fault cost of MPICH's private ones); measure it again")
+        if WAITED not in run["time_s"]:
+            say(f"#     it has no {WAITED} path (a file from before the seventeenth session of issue 23): the "
+                "library's wait is taken to cost nothing; measure it again")
     models = fit_all(runs)
     say("\n## Fitted on the 2-rank runs up to 1 MiB (a: per node synchronisation or MPI message step; b: per "
         "byte the window's plan writes or MPI sends; sum: per byte summed; the fault and the per-byte growth "
-        "come from the probes; one core: the run with both ranks on one core, its synchronisation's hand-over, "
-        "its plans' bytes and its MPI step)\n")
+        "come from the probes; waited: what the library's wait adds to an MPI all-reduce, per call; one core: the "
+        "run with both ranks on one core, its synchronisation's hand-over, its plans' bytes, its MPI step and "
+        "its wait)\n")
     say("| variant | window a (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) "
-        "| sum (ns/B) | fault (us/page) | one core: hand-over (us) | window b (ns/B) | MPI a (us) | MPI a, short steps (us) | MPI b (ns/B) |")
-    say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| sum (ns/B) | fault (us/page) | waited (us) | one core: hand-over (us) | window b (ns/B) | MPI a (us) "
+        "| MPI a, short steps (us) | MPI b (ns/B) | waited (us) |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def us(value: float | None, fallback: float | None = None, scale: float = 1e6, digits: int = 2) -> str:
         value = fallback if value is None else value
@@ -878,9 +933,10 @@ def predict(args: argparse.Namespace) -> int:
     for (name, _), m in zip(VARIANTS, models):
         say(f"| {name} | {us(m.a_window)} | {us(m.b_window, scale=1e9, digits=3)} | {us(m.a_mpi)} | "
             f"{us(m.a_eager, m.a_mpi)} | {us(m.b_mpi, scale=1e9, digits=3)} | "
-            f"{us(m.reduce(1.0, 0), scale=1e9, digits=3)} | {us(m.machine.fault * PAGE)} | {us(m.a_window_core)} | "
-            f"{us(m.b_window_core, scale=1e9, digits=3)} | {us(m.a_core)} | {us(m.a_core_eager, m.a_core)} | "
-            f"{us(m.b_core, scale=1e9, digits=3)} |")
+            f"{us(m.reduce(1.0, 0), scale=1e9, digits=3)} | {us(m.machine.fault * PAGE)} | {us(m.wait)} | {us(m.a_window_core)} | "
+            f"{us(m.b_window_core, scale=1e9, digits=3)} | {us(m.a_core)} | "
+            f"{us(m.a_core_eager, m.a_core)} | "
+            f"{us(m.b_core, scale=1e9, digits=3)} | {us(m.wait_core)} |")
     print_checks(checks(data, models), args.statistic, say)
     say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "
         + "; ".join(f"{statistic}: " + ", ".join(f"{name} {k}/{total}" for (name, _), (k, total)
