@@ -707,7 +707,8 @@ class Model:
             return self.flat(n, ranks, per_node, net)
         ws = per_node * n  # the node's; the owners' all-reduce touches their slices, ws / per_node (as measured_layout)
         return self.window_node(n, per_node, ws) + self.net_allreduce(
-            n / per_node, nodes, per_node, ws / per_node, net, MPICH_IALLREDUCE_SHORT, memory="shm") + self.wait
+            n / per_node, nodes, per_node, ws / per_node, net, MPICH_IALLREDUCE_SHORT, memory="shm") + (
+            self.wait if nodes > 1 else 0.0)
 
 
 def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: float,

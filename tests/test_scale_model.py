@@ -39,6 +39,8 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
     if truth is not None:
         for path in sm.PATHS:
             run["time_s"][path] = [truth.measured_layout(path, n, ranks, nodes, cores) for n in sizes]
+        # Iallreduce polled by the library's waiter: MPI's all-reduce and the wait's cost per call
+        run["time_s"][sm.WAITED] = [t + truth.waited(ranks > cores) for t in run["time_s"]["mpi"]]
     run["sweeps_s"] = {name: [[] if t is None else [t] for t in times] for name, times in run["time_s"].items()}
     return run
 
@@ -46,10 +48,11 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
 def _truth() -> sm.Model:
     machine = sm.Machine.from_run(_run(None, 2, 1, 2, sm.SIZES), constant=False)
     return sm.Model(machine, a_window=3e-6, b_window=0.1e-9, a_mpi=2.5e-6, b_mpi=0.25e-9, a_eager=1.5e-6,
-                    a_window_core=20e-6, b_window_core=0.13e-9, a_core=9e-6, b_core=0.4e-9, a_core_eager=6e-6)
+                    a_window_core=20e-6, b_window_core=0.13e-9, a_core=9e-6, b_core=0.4e-9, a_core_eager=6e-6,
+                    wait=1e-6, wait_core=12e-6)
 
 
-CORE_FIELDS = ("a_window_core", "b_window_core", "a_core", "b_core", "a_core_eager")
+CORE_FIELDS = ("a_window_core", "b_window_core", "wait_core", "a_core", "b_core", "a_core_eager")
 
 
 def _data(truth: sm.Model) -> dict:
@@ -62,7 +65,7 @@ def test_the_fit_recovers_the_parameters_the_times_came_from():
     truth = _truth()
     runs = _data(truth)["runs"]
     fitted = sm.fit(runs[sm.FIT_LAYOUT], constant=False, core_run=runs[sm.SAME_CORE_LAYOUT])
-    for name in ("a_window", "b_window", "a_mpi", "b_mpi", "a_eager") + CORE_FIELDS:
+    for name in ("a_window", "b_window", "a_mpi", "b_mpi", "a_eager", "wait") + CORE_FIELDS:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     assert fitted.machine.fault == pytest.approx(0.25e-6 / sm.PAGE)
     alone = sm.fit(runs[sm.FIT_LAYOUT], constant=False)  # without the same-core run: nothing of it
@@ -234,7 +237,8 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     node = 2 * (model.a_window + model.a_window_core) + 2 * model.window_byte(ws, shared_core=True) * n
     cross = (2 * (model.core_step(n / 4) + 2 * model.copy_growth("shm", ws / 2) * n / 4)
              + 2 * model.reduce(n / 4, ws / 2, "shm"))  # copies and sums on window memory
-    assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(node + cross)
+    # each pair completes its Iallreduce with the library's waiter, on its one core: the same-core run's wait
+    assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(node + cross + model.wait_core)
     big = 64 << 20  # MPICH's scratch buffer faults in on both ranks of each core
     assert model.mpi_machine(big, 2, 2 * big, per_core=2, cores=1) == pytest.approx(
         2 * (model.core_step(big / 2) + 2 * model.copy_growth("private", 2 * big) * big / 2)
@@ -246,7 +250,7 @@ def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
     n, ws = 1 << 20, 4 << 20
     nodes = 2 * model.a_window + model.window_byte(ws) * n  # a core each, two ranks per node: a byte per byte
     cross = model.mpi_machine(n / 2, 2, ws / 2, memory="shm")
-    assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(nodes + cross)
+    assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(nodes + cross + model.wait)
     assert cross > model.mpi_machine(n / 2, 2, ws / 2)  # the window's pages: the shm probe's dearer pass
 
 
@@ -271,7 +275,8 @@ def test_copies_grow_beyond_the_fit_as_a_pass_over_their_memory():
         2 * model.mpi_step(x, owners_ws, "shm") + model.reduce(x, owners_ws, "shm") + model.faults(n / 2, 2))
     assert model.mpi_step(x, owners_ws, "shm") == pytest.approx(model.a_mpi + model.b_mpi * x + growth)
     assert model.measured_layout("window", n, 4, 2, 4) == pytest.approx(
-        2 * model.a_window + model.window_byte(4 * n) * n + model.mpi_machine(n / 2, 2, owners_ws, memory="shm"))
+        2 * model.a_window + model.window_byte(4 * n) * n + model.mpi_machine(n / 2, 2, owners_ws, memory="shm")
+        + model.wait)
     assert model.mpi_machine(n, 2, 2 * n) == pytest.approx(  # private arrays: their own probe's growth
         2 * (model.a_mpi + (model.b_mpi + model.copy_growth("private", 2 * n)) * n / 2) + model.reduce(n / 2, 2 * n)
         + model.faults(n, 2))
@@ -454,6 +459,31 @@ def test_predict_names_runs_whose_fault_probe_is_the_old_one(tmp_path, capsys):
                     "--project-ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("its fault probe is not 'private pages, after the sweeps'") == 1
+
+
+def test_the_library_s_wait_is_fitted_per_call_and_added_once_per_cross_node_exchange(tmp_path, capsys):
+    truth = _truth()
+    # Across nodes the owners complete their Iallreduce with the waiter, a core each; on one node there is none.
+    n = float(1 << 20)
+    without = sm.Model(truth.machine, truth.a_window, truth.b_window, truth.a_mpi, truth.b_mpi, truth.a_eager)
+    assert truth.hierarchical(n, 64, 8, NET) == pytest.approx(without.hierarchical(n, 64, 8, NET) + truth.wait)
+    assert truth.hierarchical(n, 8, 8, NET) == pytest.approx(without.hierarchical(n, 8, 8, NET))
+    # The fit takes the median over the fitted sizes of what the waited call costs more, a run without it nothing.
+    data = _data(truth)
+    run = data["runs"][sm.FIT_LAYOUT]
+    extra = [1.0 if s > sm.FIT_MAX else 3e-6 if i % 2 else 5e-6 for i, s in enumerate(run["sizes"])]
+    run["time_s"][sm.WAITED] = [t + e for t, e in zip(run["time_s"]["mpi"], extra)]
+    assert sum(e == 5e-6 for e in extra) == 5 and sum(e == 3e-6 for e in extra) == 4  # 4 KiB..1 MiB
+    assert sm.fit(run, constant=False).wait == pytest.approx(5e-6)
+    for entry in data["runs"].values():
+        del entry["sweeps_s"][sm.WAITED]
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    assert sm.main(["--predict", "--data", str(tmp_path / "data.json"), "--project-sizes", "1M",
+                    "--project-ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("it has no mpi_waited path") == len(data["runs"])
+    models = sm.fit_all(sm.load_data(str(tmp_path / "data.json"))["runs"])
+    assert all(m.wait == 0.0 and m.wait_core == 0.0 for m in models)
 
 
 def test_layout_keys_name_a_shared_core():
