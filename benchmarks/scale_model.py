@@ -24,8 +24,9 @@ The paths and probes:
   the hierarchical path's slice owners run their exchange; a fit input, judged nowhere;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
   out=a)`` over the halves of an n-byte region of node shared memory / of a private region, both on 4 KiB
-  pages and written before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte private anonymous
-  mapping, up to 1 MiB, once per ``--measure``, after the sweeps: one value per round, not per sweep).
+  pages and written before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte
+  private anonymous mapping, up to 1 MiB, once per ``--measure``, after the sweeps: one value per round,
+  not per sweep).
 
 It merges the layout's sweep medians into ``--data`` (JSON, one entry per layout). ``--predict`` needs
 no MPI: it takes per size the least of its sweeps (``--statistic min``, the default: the model has no
@@ -417,8 +418,9 @@ class Machine:
 
     ``ws``: machine working sets (bytes: both ranks' regions) at which ``shm`` and ``private``, the
     seconds per byte of one rank's pass over its region (node shared memory with 4 KiB pages, like the
-    window; a private region on 4 KiB pages, like MPI's buffer, :func:`private_region`), were measured; ``fault``: seconds per byte first
-    touched; ``constant``: per-byte costs never grow with the working set (the plain alpha-beta model).
+    window; a private region on 4 KiB pages, like MPI's buffer, :func:`private_region`), were measured;
+    ``fault``: seconds per byte first touched; ``constant``: per-byte costs never grow with the working set
+    (the plain alpha-beta model).
     """
 
     ws: np.ndarray
@@ -508,15 +510,17 @@ class Model:
     seconds per byte sent. Summing a received ``x`` bytes costs the probe's pass over ``2 x`` bytes of its
     memory (:meth:`reduce`); per-byte costs grow with the working set beyond the fit's (:meth:`Machine.extra`).
 
-    Fitted on the 2-rank run with both ranks on one core (None without it), as the fit run's: ``a_window_core``,
-    seconds per node synchronisation of ranks that share a core (the hand-over of the core);
-    ``b_window_core``, seconds per byte the plans of ranks that share a core write, one after the other,
-    within the cache (their blocks share the core's caches: :meth:`window_byte`); ``a_core``, ``b_core``, ``a_core_eager``: an MPI message step
-    between two ranks of one core (both ranks' copies, on that core), as ``a_mpi``, ``b_mpi``, ``a_eager``.
+    Fitted on the 2-rank run with both ranks on one core (None without it), as the fit run's:
+    ``a_window_core``, seconds per node synchronisation of ranks that share a core (the hand-over of the
+    core); ``b_window_core``, seconds per byte the plans of ranks that share a core write, one after the
+    other, within the cache (their blocks share the core's caches: :meth:`window_byte`); ``a_core``,
+    ``b_core``, ``a_core_eager``: an MPI message step between two ranks of one core (both ranks' copies, on
+    that core), as ``a_mpi``, ``b_mpi``, ``a_eager``.
 
     ``wait``, ``wait_core``: seconds the library's way of completing an MPI all-reduce (``Iallreduce`` polled by
     its ``Waiter``) adds per call to MPI's own, a core per rank and (the same-core run's) two ranks on one
-    core (:func:`_wait_extra`; 0 and None where a run did not measure it).
+    core (:func:`_wait_extra`; 0 from a run that did not measure it; ``wait_core`` None without the same-core
+    run).
     """
 
     machine: Machine
@@ -730,7 +734,8 @@ def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: floa
     return float(a), float(b)
 
 
-def _fit_lines(run: dict[str, Any], rest_of: Callable[[float], float]) -> tuple[float, float, float, float, float | None]:
+def _fit_lines(run: dict[str, Any],
+               rest_of: Callable[[float], float]) -> tuple[float, float, float, float, float | None]:
     """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and the bytes
     the plans of the core that runs the most write, :func:`core_load`; within the fit's working set a byte
     costs ``b``, no extra), and MPI's ``a``, ``b``
@@ -934,7 +939,8 @@ def predict(args: argparse.Namespace) -> int:
     for (name, _), m in zip(VARIANTS, models):
         say(f"| {name} | {us(m.a_window)} | {us(m.b_window, scale=1e9, digits=3)} | {us(m.a_mpi)} | "
             f"{us(m.a_eager, m.a_mpi)} | {us(m.b_mpi, scale=1e9, digits=3)} | "
-            f"{us(m.reduce(1.0, 0), scale=1e9, digits=3)} | {us(m.machine.fault * PAGE)} | {us(m.wait)} | {us(m.a_window_core)} | "
+            f"{us(m.reduce(1.0, 0), scale=1e9, digits=3)} | {us(m.machine.fault * PAGE)} | {us(m.wait)} | "
+            f"{us(m.a_window_core)} | "
             f"{us(m.b_window_core, scale=1e9, digits=3)} | {us(m.a_core)} | "
             f"{us(m.a_core_eager, m.a_core)} | "
             f"{us(m.b_core, scale=1e9, digits=3)} | {us(m.wait_core)} |")
