@@ -3,11 +3,13 @@ runs --measure under mpiexec)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -35,12 +37,14 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
     shm, private, fault = _probe_times(sizes)
     run = {"ranks": ranks, "nodes": nodes, "local": ranks // nodes, "pretend": nodes > 1, "machine_ranks": ranks,
            "cores": cores, "sizes": sizes,
-           "time_s": {"shm_pass": shm, "private_pass": private, "fault": fault}, "fault_probe": sm.FAULT_PROBE}
+           "time_s": {"shm_pass": shm, "private_pass": private, "fault": fault}, "fault_probe": sm.FAULT_PROBE,
+           "measured": list(sm.PATHS) + [sm.WAITED] + list(sm.PROBES)}
     if truth is not None:
         for path in sm.PATHS:
             run["time_s"][path] = [truth.measured_layout(path, n, ranks, nodes, cores) for n in sizes]
         # Iallreduce polled by the library's waiter: MPI's all-reduce and the wait's cost per call
-        run["time_s"][sm.WAITED] = [t + truth.waited(ranks > cores) for t in run["time_s"]["mpi"]]
+        wait = truth.waited(max(1, ranks // cores), cores, stride=1)
+        run["time_s"][sm.WAITED] = [t + wait for t in run["time_s"]["mpi"]]
     run["sweeps_s"] = {name: [[] if t is None else [t] for t in times] for name, times in run["time_s"].items()}
     return run
 
@@ -318,6 +322,20 @@ def test_cross_node_traffic_follows_the_network_parameters():
     assert model.hierarchical(n, ranks, per_node, NET) > link
 
 
+def test_the_flat_path_s_steps_within_a_node_grow_as_every_mpi_copy_does():
+    class NoGrowth(sm.Model):
+        def copy_growth(self, memory: str, ws: float) -> float:
+            return 0.0
+
+    model = _truth()
+    flat = NoGrowth(**{f.name: getattr(model, f.name) for f in dataclasses.fields(model)})
+    n, ranks, per_node = float(16 << 20), 64, 8  # above MPICH's composition: its first log2(8) steps in the node
+    ws = per_node * n
+    grown = sum(2 * model.copy_growth("private", ws) * n / 2**k for k in range(1, 4))
+    assert grown > 0
+    assert model.flat(n, ranks, per_node, NET) == pytest.approx(flat.flat(n, ranks, per_node, NET) + grown)
+
+
 def test_small_messages_across_nodes_take_mpich_composition():
     model = _truth()
     n, ranks, per_node = 16 << 10, 64, 4
@@ -420,7 +438,8 @@ def test_appended_sweeps_join_the_earlier_ones_and_keep_each_rounds_facts():
 def test_append_is_checked_before_measuring_and_the_file_keeps_only_measurements(tmp_path):
     path = str(tmp_path / "data.json")
     facts = {"ranks": 4, "nodes": 1, "local": 4, "machine_ranks": 4, "cores": 2, "sizes": sm.SIZES,
-             "window": {"name": "shm"}, "mpi_library": "MPICH 5", "commit": "abc", "fault_probe": sm.FAULT_PROBE}
+             "window": {"name": "shm"}, "mpi_library": "MPICH 5", "commit": "abc", "fault_probe": sm.FAULT_PROBE,
+             "measured": ["mpi", "window", sm.WAITED]}
     assert sm._append_state(path, "4 ranks, 1 node", facts) == (None, 0)  # no file: a new entry
     run = dict(_run(_truth(), 4, 1, 2, sm.SIZES), **facts)
     run.update(median_s=run["time_s"], when_utc="10:00", seconds=1.0, load_average=[[1.0], [1.0]],
@@ -432,6 +451,11 @@ def test_append_is_checked_before_measuring_and_the_file_keeps_only_measurements
     assert sm._append_state(path, "4 ranks, 1 node", facts) == (None, 1)
     problem, _ = sm._append_state(path, "4 ranks, 1 node", dict(facts, commit="def+dirty"))
     assert problem.startswith("the data file's run has commit='abc', this one 'def+dirty'")
+    # an entry measured before mpi_waited (no "measured") takes no sweeps that have it
+    older = {k: v for k, v in run.items() if k != "measured"}
+    sm._merge(path, "4 ranks, 1 node", older)
+    problem, _ = sm._append_state(path, "4 ranks, 1 node", facts)
+    assert problem.startswith("the data file's run has measured=None, this one ['mpi', 'window', 'mpi_waited']")
 
 
 def test_the_fit_refuses_an_oversubscribed_or_wrong_layout():
@@ -471,17 +495,18 @@ def test_the_library_s_wait_is_fitted_per_call_and_added_once_per_cross_node_exc
     # The fit takes the median over the fitted sizes of what the waited call costs more, a run without it nothing.
     data = _data(truth)
     run = data["runs"][sm.FIT_LAYOUT]
-    extra = [1.0 if s > sm.FIT_MAX else 3e-6 if i % 2 else 5e-6 for i, s in enumerate(run["sizes"])]
+    extra = [1.0 if s > sm.FIT_MAX else 5e-6 if i % 2 else 3e-6 for i, s in enumerate(run["sizes"])]
     run["time_s"][sm.WAITED] = [t + e for t, e in zip(run["time_s"]["mpi"], extra)]
-    assert sum(e == 5e-6 for e in extra) == 5 and sum(e == 3e-6 for e in extra) == 4  # 4 KiB..1 MiB
-    assert sm.fit(run, constant=False).wait == pytest.approx(5e-6)
+    assert sum(e == 3e-6 for e in extra) == 5 and sum(e == 5e-6 for e in extra) == 4  # 4 KiB..1 MiB
+    assert statistics.median(extra) == 5e-6  # all sizes: what a fit that kept the held-out ones would give
+    assert sm.fit(run, constant=False).wait == pytest.approx(3e-6)
     for entry in data["runs"].values():
-        del entry["sweeps_s"][sm.WAITED]
+        del entry["sweeps_s"][sm.WAITED], entry["measured"]
     (tmp_path / "data.json").write_text(json.dumps(data))
     assert sm.main(["--predict", "--data", str(tmp_path / "data.json"), "--project-sizes", "1M",
                     "--project-ranks", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.count("it has no mpi_waited path") == len(data["runs"])
+    assert out.count("a file from before the seventeenth session") == len(data["runs"])
     models = sm.fit_all(sm.load_data(str(tmp_path / "data.json"))["runs"])
     assert all(m.wait == 0.0 and m.wait_core == 0.0 for m in models)
 
@@ -510,6 +535,8 @@ def test_measure_on_one_core_writes_the_same_core_layout_and_its_fault_probe(tmp
     assert run["cores"] == 1 and run["machine_ranks"] == 2 and run["affinity"] == [[core], [core]]
     assert all(t is not None and t > 0 for t in run["time_s"]["fault"])  # every size up to 1 MiB
     assert run["fault_probe"] == sm.FAULT_PROBE
+    assert run["measured"] == ["mpi", "window", sm.WAITED, "shm_pass", "private_pass", "fault"]
+    assert all(t is not None and t > 0 for t in run["time_s"][sm.WAITED])
 
 
 def _vma_facts(address: int) -> dict[str, str]:
