@@ -117,6 +117,7 @@ DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_m
 PATHS = ("mpi", "window")
 PROBES = ("shm_pass", "private_pass", "fault")
 WAITED = "mpi_waited"  # a fit input measured in every layout: what the library's wait adds to an MPI call
+MEASURED = list(PATHS) + [WAITED] + list(PROBES)  # what --measure times, recorded with each run
 FIT_LAYOUT = "2 ranks, 1 node"
 SAME_CORE_LAYOUT = "2 ranks, 1 node, one core"  # fitted too: what ranks that share a core pay
 # How the fault probe is taken, recorded with each run: before e8d4a94 it mapped shared pages (shmem,
@@ -216,7 +217,7 @@ def measure(args: argparse.Namespace) -> int:
     facts = {"ranks": world.Get_size(), "nodes": lay.num_nodes, "local": lay.local_size, "machine_ranks": machine_ranks,
              "cores": cores, "sizes": sizes, "window": window.describe(),
              "mpi_library": MPI.Get_library_version().splitlines()[0].strip(), "commit": _commit(),
-             "fault_probe": FAULT_PROBE, "measured": list(PATHS) + [WAITED] + list(PROBES)}
+             "fault_probe": FAULT_PROBE, "measured": MEASURED}
     stored = 0  # sweeps of this layout already in the file (--append): the next sweep's order follows them
     if args.append:
         problem, stored = world.bcast(_append_state(args.data, key, facts) if world.Get_rank() == 0 else None, root=0)
@@ -774,25 +775,23 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
     model = Model(machine, 0.0, 0.0, 0.0, 0.0)
     model.a_window, model.b_window, model.a_mpi, model.b_mpi, model.a_eager = _fit_lines(
         run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2))
-    model.wait = _wait_extra(run) or 0.0
+    model.wait = _wait_extra(run)
     if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
         _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
         model.a_window_core, model.b_window_core, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
             core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)))
-        model.wait_core = _wait_extra(core_run) or 0.0
+        model.wait_core = _wait_extra(core_run)
     return model
 
 
-def _wait_extra(run: dict[str, Any]) -> float | None:
+def _wait_extra(run: dict[str, Any]) -> float:
     """The median, over the sizes up to ``FIT_MAX``, of what ``mpi_waited`` (``Iallreduce`` of shared memory polled
     by the library's waiter) costs more than ``mpi`` (``Allreduce``; both on 4 KiB pages, in cache at these
-    sizes): a cost per call. None where the run did not measure it (a file from before the seventeenth session)."""
-    waited = run["time_s"].get(WAITED)
-    if waited is None:
-        return None
+    sizes): a cost per call. 0 where the run did not measure it (a file from before the seventeenth session)."""
+    waited = run["time_s"].get(WAITED) or []
     pairs = [(w, m) for s, w, m in zip(run["sizes"], waited, run["time_s"]["mpi"])
              if s <= FIT_MAX and w is not None and m is not None]
-    return statistics.median(w - m for w, m in pairs) if pairs else None
+    return statistics.median(w - m for w, m in pairs) if pairs else 0.0
 
 
 # -- reports --------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
     run = {"ranks": ranks, "nodes": nodes, "local": ranks // nodes, "pretend": nodes > 1, "machine_ranks": ranks,
            "cores": cores, "sizes": sizes,
            "time_s": {"shm_pass": shm, "private_pass": private, "fault": fault}, "fault_probe": sm.FAULT_PROBE,
-           "measured": list(sm.PATHS) + [sm.WAITED] + list(sm.PROBES)}
+           "measured": sm.MEASURED}
     if truth is not None:
         for path in sm.PATHS:
             run["time_s"][path] = [truth.measured_layout(path, n, ranks, nodes, cores) for n in sizes]
