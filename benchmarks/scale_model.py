@@ -20,8 +20,10 @@ The paths and probes:
 * ``window``: the shared-memory window engine, ``ShmTransport`` on a bucket already packed, the
   reduce-scatter at every size, its result left in the window (``allreduce.py``'s window column);
   on pretend nodes, the hierarchical path;
-* ``mpi_waited``: ``Iallreduce(IN_PLACE)`` of node shared memory completed by the library's ``Waiter``, as
-  the hierarchical path's slice owners run their exchange; a fit input, judged nowhere;
+* ``mpi_waited`` and ``mpi_beside_waited``: ``Iallreduce(IN_PLACE)`` of node shared memory completed by the
+  library's ``Waiter``, as the hierarchical path's slice owners run their exchange, and ``Allreduce(IN_PLACE)``
+  of the same memory, interleaved with each other after the sweeps, up to 1 MiB, once per ``--measure``
+  (timed among the paths, the waited call slowed the 4-rank window); fit inputs, judged nowhere;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
   out=a)`` over the halves of an n-byte region of node shared memory / of a private region, both on 4 KiB
   pages and written before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte
@@ -46,7 +48,8 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   and 1.75 on four;
 * MPI within a node: MPICH's reduce-scatter + all-gather (Rabenseifner), ``log2 p`` steps each way,
   step k sending ``n / 2^k`` bytes (``a_m + b_m x``: a step of 8 KiB or more is a kernel copy after a
-  handshake, a shorter one goes through MPICH's shared cells with a latency of its own) and the
+  handshake, its line fitted from 64 KiB all-reduces up, a shorter one goes through MPICH's shared
+  cells with a latency of its own) and the
   reduce-scatter summing them, plus the first-touch faults of the ``n / 2`` bytes MPICH's scratch
   buffer receives, from 32 MiB (glibc maps allocations above its largest mmap threshold afresh on
   every call);
@@ -111,13 +114,21 @@ MPICH_BINOMIAL_BCAST_MAX = 12288  # coll_selection.json: binomial broadcast belo
 # MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD: a message of at least this many bytes between ranks of a node is
 # copied once, by the kernel (CMA, after a handshake); a shorter one goes through MPICH's shared cells.
 MPICH_CMA_MIN = 8192
+# MPI's kernel-copy line (latency, cost per byte) is fitted from this size, the first the issue judges: the cost
+# per byte falls as the steps grow up to the fit's largest (benchmarks/README.md), and the held-out sizes continue
+# the larger steps' line. The 16 and 32 KiB all-reduces (kernel copies of 8 and 16 KiB) are not fitted.
+MPI_LINE_MIN = CHECK_MIN
 DEFAULT_NET_LATENCY_US = 1.2  # HBv3, HDR InfiniBand, osu_latency, 1 byte (module docstring)
 DEFAULT_NET_GBPS = 192.0  # HBv3, HDR InfiniBand (200 Gb/s line rate), osu_bw, one way
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scale_model.json")
 PATHS = ("mpi", "window")
 PROBES = ("shm_pass", "private_pass", "fault")
-WAITED = "mpi_waited"  # a fit input measured in every layout: what the library's wait adds to an MPI call
-MEASURED = list(PATHS) + [WAITED] + list(PROBES)  # what --measure times, recorded with each run
+# Fit inputs measured in every layout after the sweeps, beside each other: an Iallreduce of shared memory completed by
+# the library's wait, and an Allreduce of the same memory; their difference is what the wait adds to an MPI call.
+WAITED = "mpi_waited"
+WAIT_REFERENCE = "mpi_beside_waited"
+MEASURED = list(PATHS) + list(PROBES) + [WAIT_REFERENCE, WAITED]  # what --measure times, recorded with each run
+ROTATED_WAIT = ["mpi", "window", WAITED, "shm_pass", "private_pass", "fault"]  # the seventeenth session's MEASURED
 FIT_LAYOUT = "2 ranks, 1 node"
 SAME_CORE_LAYOUT = "2 ranks, 1 node, one core"  # fitted too: what ranks that share a core pay
 # How the fault probe is taken, recorded with each run: before e8d4a94 it mapped shared pages (shmem,
@@ -249,12 +260,7 @@ def measure(args: argparse.Namespace) -> int:
                 window.pack_buffer(count, np.float32)
                 window.allreduce_packed(count, np.float32, "sum")
 
-            def waited(buf: np.ndarray = waited_region[:count]) -> None:
-                request = world.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
-                window.waiter.until(request.Test)  # as the transport waits (its timeout: none here)
-
-            fns = {"mpi": mpi, "window": engine, WAITED: waited, "shm_pass": shm_probe(size),
-                   "private_pass": private_probe(size)}
+            fns = {"mpi": mpi, "window": engine, "shm_pass": shm_probe(size), "private_pass": private_probe(size)}
             calls = list(fns.values())
             n_iter = choose_iters(world, calls, args.budget)
             times = samples(world, calls, n_iter)
@@ -263,6 +269,25 @@ def measure(args: argparse.Namespace) -> int:
             iters[i].append(n_iter)
             say(f"  sweep {sweep + 1}/{args.repeats} {human(size):>9}: "
                 + " ".join(f"{name} {medians[name][i][-1] * 1e6:.1f}" for name in fns) + " us", flush=True)
+    # The library's wait after the sweeps, never among the judged paths: timed among them, it slowed the 4-rank
+    # window by up to a quarter (benchmarks/README.md). At the fit's sizes, the only ones the fit reads.
+    for i, size in enumerate(sizes):
+        if size <= FIT_MAX:
+            region = waited_region[: size // 4]
+
+            def beside(buf: np.ndarray = region) -> None:
+                world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+
+            def waited(buf: np.ndarray = region) -> None:
+                request = world.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
+                window.waiter.until(request.Test)  # as the transport waits (its timeout: none here)
+
+            pair = [beside, waited]
+            times = samples(world, pair, choose_iters(world, pair, args.budget))
+            for j, name in enumerate((WAIT_REFERENCE, WAITED)):
+                medians[name][i].append(statistics.median(times[:, j]))
+            say(f"  the wait {human(size):>9}: {WAIT_REFERENCE} {medians[WAIT_REFERENCE][i][-1] * 1e6:.1f} "
+                f"{WAITED} {medians[WAITED][i][-1] * 1e6:.1f} us", flush=True)
     # The fault probe after the sweeps, never among the timed paths: a call finds the caches as the call
     # before left them (allreduce.py, samples), and the probe's fresh pages would evict the paths' buffers
     # only at the sizes it runs at (up to 1 MiB), the fit's.
@@ -487,6 +512,12 @@ def window_writes(local: int, local_rank: int) -> float:
     return 2.0 * (local - 1) / local + aside
 
 
+def layout_ws(n: float, ranks: int, cores: int) -> float:
+    """The working set at which the per-byte costs of ``ranks`` on ``cores`` cores, each all-reducing ``n`` bytes,
+    grow: the machine's (``ranks * n``) times the ranks that share a core, as they share its caches."""
+    return ranks * n * max(1, ranks // cores)
+
+
 def core_load(local: int, ranks: int, cores: int) -> float:
     """The most bytes per byte of the bucket that one core's ranks write, one after the other, when
     ``ranks`` in nodes of ``local`` sit round robin on ``cores`` cores (hydra's ``-bind-to core``: rank r
@@ -584,6 +615,14 @@ class Model:
         the window's segments), the probe's pass over ``2 x`` bytes."""
         return 2 * x * (self.machine.pass_cost(memory, 2.0 * FIT_MAX) + self.machine.extra(memory, ws))
 
+    def mpi_rest(self, n: float, cores: int) -> float:
+        """What :meth:`mpi_machine` adds to the two message steps of a 2-rank all-reduce of ``n`` bytes on ``cores``
+        (1 or 2) cores: the sum of ``n / 2`` bytes, MPICH's scratch buffer's faults and the copies' growth at
+        :func:`layout_ws`, for each rank of a core, one after the other."""
+        ws = layout_ws(n, 2, cores)
+        per_core = 2 // cores
+        return per_core * (self.reduce(n / 2, ws) + self.faults(n, 2) + self.copy_growth("private", ws) * n)
+
     def faults(self, n: float, ranks: int) -> float:
         """MPICH's scratch buffer for the reduce-scatter (``n`` bytes), mapped afresh on every call from
         glibc's largest mmap threshold up: its first step receives ``n / 2`` bytes into it, and every
@@ -624,12 +663,12 @@ class Model:
         outnumber cores, each core runs its ranks' work one after the other (:meth:`mpi_machine` for
         MPI; for the window, :func:`core_load`), and a node synchronisation costs what it costs between
         two ranks of one core (the hand-over) besides, with ranks on several cores, what it costs between
-        two cores."""
+        two cores. Per-byte costs grow at :func:`layout_ws`."""
         if ranks > cores and ranks % cores:
             raise ValueError(f"{ranks} ranks on {cores} cores: the model takes ranks that share cores evenly")
         per_core = max(1, ranks // cores)
         local = ranks // nodes
-        ws = ranks * n
+        ws = layout_ws(n, ranks, cores)
         if path == "mpi":  # MPI knows nothing of pretend nodes: one machine
             return self.mpi_machine(n, ranks, ws, per_core, cores)
         sync = self.a_window if cores > 1 else 0.0
@@ -741,8 +780,8 @@ def _fit_lines(run: dict[str, Any],
     the plans of the core that runs the most write, :func:`core_load`; within the fit's working set a byte
     costs ``b``, no extra), and MPI's ``a``, ``b``
     and the short steps' latency (None where every step is a kernel copy): one step each way of n/2 bytes
-    plus ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies, the
-    shorter steps' latency beside them."""
+    plus ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies from
+    ``MPI_LINE_MIN`` up, the shorter steps' latency beside them."""
     sizes = np.array(run["sizes"], dtype=float)
     n = sizes[sizes <= FIT_MAX]
     window_t = np.array(run["time_s"]["window"], dtype=float)[: len(n)]
@@ -751,9 +790,11 @@ def _fit_lines(run: dict[str, Any],
     mpi_t = np.array(run["time_s"]["mpi"], dtype=float)[: len(n)]
     rest = np.array([rest_of(s) for s in n])
     cma = n / 2 >= MPICH_CMA_MIN
-    if cma.sum() < 2:
-        raise ValueError(f"the fit needs two sizes or more from {human(2 * MPICH_CMA_MIN)} up to {human(FIT_MAX)}")
-    a_m, b_m = _fit_line(n[cma], rest[cma], mpi_t[cma], 2)
+    line = cma & (n >= MPI_LINE_MIN)
+    if line.sum() < 2:
+        first = max(2 * MPICH_CMA_MIN, MPI_LINE_MIN)
+        raise ValueError(f"the fit needs two sizes or more from {human(first)} up to {human(FIT_MAX)}")
+    a_m, b_m = _fit_line(n[line], rest[line], mpi_t[line], 2)
     eager = None if cma.all() else _fit_line(n[~cma], rest[~cma], mpi_t[~cma], 2, b=b_m)[0]
     return a_w, b_w, a_m, b_m, eager
 
@@ -774,22 +815,24 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
     machine = Machine.from_run(run, constant)
     model = Model(machine, 0.0, 0.0, 0.0, 0.0)
     model.a_window, model.b_window, model.a_mpi, model.b_mpi, model.a_eager = _fit_lines(
-        run, lambda s: model.reduce(s / 2, 2 * s) + model.faults(s, 2))
+        run, lambda s: model.mpi_rest(s, cores=2))
     model.wait = _wait_extra(run)
     if core_run is not None:  # one core runs both ranks' passes, copies, sums and faults
         _check_layout(core_run, SAME_CORE_LAYOUT, one_core=True)
         model.a_window_core, model.b_window_core, model.a_core, model.b_core, model.a_core_eager = _fit_lines(
-            core_run, lambda s: 2 * (model.reduce(s / 2, 2 * s) + model.faults(s, 2)))
+            core_run, lambda s: model.mpi_rest(s, cores=1))
         model.wait_core = _wait_extra(core_run)
     return model
 
 
 def _wait_extra(run: dict[str, Any]) -> float:
     """The median, over the sizes up to ``FIT_MAX``, of what ``mpi_waited`` (``Iallreduce`` of shared memory polled
-    by the library's waiter) costs more than ``mpi`` (``Allreduce``; both on 4 KiB pages, in cache at these
-    sizes): a cost per call. 0 where the run did not measure it (a file from before the seventeenth session)."""
+    by the library's waiter) costs more than ``Allreduce`` of the same memory timed beside it (``mpi`` in a file of
+    the seventeenth session, which timed the waited call among the paths): a cost per call. 0 where the run did not
+    measure it (a file from before the seventeenth session)."""
     waited = run["time_s"].get(WAITED) or []
-    pairs = [(w, m) for s, w, m in zip(run["sizes"], waited, run["time_s"]["mpi"])
+    reference = run["time_s"].get(WAIT_REFERENCE) or run["time_s"]["mpi"]
+    pairs = [(w, m) for s, w, m in zip(run["sizes"], waited, reference)
              if s <= FIT_MAX and w is not None and m is not None]
     return statistics.median(w - m for w, m in pairs) if pairs else 0.0
 
@@ -832,6 +875,25 @@ def checks(data: dict[str, Any], models: Sequence[Model]) -> list[Check]:
 def held_out(found: list[Check]) -> list[Check]:
     """The predictions the issue judges: not part of the fit, from ``CHECK_MIN`` up."""
     return [c for c in found if not c.fitted and c.size >= CHECK_MIN]
+
+
+def same_call_disagreements(runs: dict[str, Any]) -> list[str]:
+    """The judged sizes at which two layouts that ran the same MPI call (the same ranks on the same cores: MPI knows
+    nothing of pretend nodes) measured it more than ``(1 + TARGET) / (1 - TARGET)`` times apart, so that no
+    prediction can lie within ``TARGET`` of both: the machine's speed changed between the runs."""
+    bound = (1 + TARGET) / (1 - TARGET)
+    keys = [key for key in runs if key != SAME_CORE_LAYOUT]
+    out = []
+    for i, first in enumerate(keys):
+        for second in keys[i + 1:]:
+            a, b = runs[first], runs[second]
+            if (a["ranks"], a["cores"], a["sizes"]) != (b["ranks"], b["cores"], b["sizes"]):
+                continue
+            for size, x, y in zip(a["sizes"], a["time_s"]["mpi"], b["time_s"]["mpi"]):
+                if size >= CHECK_MIN and x and y and max(x, y) / min(x, y) > bound:
+                    slower = first if x > y else second
+                    out.append(f"{human(size)}: {max(x, y) / min(x, y):.2f}x slower in {slower!r}")
+    return out
 
 
 def print_checks(found: list[Check], statistic: str, say: Callable[..., None]) -> None:
@@ -917,6 +979,9 @@ def predict(args: argparse.Namespace) -> int:
         if run.get("fault_probe") != FAULT_PROBE:
             say(f"#     its fault probe is not {FAULT_PROBE!r} (a file from before e8d4a94: shared pages, about "
                 "twice the fault cost of MPICH's private ones); measure it again")
+        if run.get("measured") == ROTATED_WAIT:
+            say(f"#     a file of the seventeenth session of issue 23: it timed {WAITED} among the judged paths, which "
+                "slowed the 4-rank window by up to a quarter; measure it again")
         if "measured" not in run:
             say("#     a file from before the seventeenth session of issue 23: its MPI buffers and private probe "
                 "lay on huge pages or not by the allocator's history (the model takes 4 KiB pages), and it has "
@@ -945,6 +1010,11 @@ def predict(args: argparse.Namespace) -> int:
             f"{us(m.a_core_eager, m.a_core)} | "
             f"{us(m.b_core, scale=1e9, digits=3)} | {us(m.wait_core)} |")
     print_checks(checks(data, models), args.statistic, say)
+    disagreements = same_call_disagreements(runs)
+    if disagreements:
+        say(f"\nThe same MPI call, measured in two layouts, more than {(1 + TARGET) / (1 - TARGET):.2f}x apart (no "
+            f"prediction can lie within {TARGET:.0%} of both; the machine's speed changed between the runs, "
+            f"measure again): " + "; ".join(disagreements))
     say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "
         + "; ".join(f"{statistic}: " + ", ".join(f"{name} {k}/{total}" for (name, _), (k, total)
                                                  in zip(VARIANTS, within_counts(data, statistic)))

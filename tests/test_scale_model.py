@@ -42,9 +42,12 @@ def _run(truth: sm.Model | None, ranks: int, nodes: int, cores: int, sizes: list
     if truth is not None:
         for path in sm.PATHS:
             run["time_s"][path] = [truth.measured_layout(path, n, ranks, nodes, cores) for n in sizes]
-        # Iallreduce polled by the library's waiter: MPI's all-reduce and the wait's cost per call
+        # After the sweeps, up to 1 MiB: Allreduce of shared memory, slower than of private memory here, and
+        # Iallreduce of it polled by the library's waiter, beside it: the same and the wait's cost per call.
         wait = truth.waited(max(1, ranks // cores), cores, stride=1)
-        run["time_s"][sm.WAITED] = [t + wait for t in run["time_s"]["mpi"]]
+        beside = [1.1 * t if n <= sm.FIT_MAX else None for n, t in zip(sizes, run["time_s"]["mpi"])]
+        run["time_s"][sm.WAIT_REFERENCE] = beside
+        run["time_s"][sm.WAITED] = [None if t is None else t + wait for t in beside]
     run["sweeps_s"] = {name: [[] if t is None else [t] for t in times] for name, times in run["time_s"].items()}
     return run
 
@@ -88,6 +91,19 @@ def test_the_fit_uses_nothing_above_one_mebibyte():
     after = sm.fit(run, constant=False)
     assert (after.a_window, after.b_window, after.a_mpi, after.b_mpi, after.a_eager) == (
         before.a_window, before.b_window, before.a_mpi, before.b_mpi, before.a_eager)
+
+
+def test_the_mpi_line_is_fitted_from_the_first_judged_size():
+    run = _data(_truth())["runs"][sm.FIT_LAYOUT]
+    before = sm.fit(run, constant=False)
+    below = [i for i, n in enumerate(run["sizes"]) if n / 2 >= sm.MPICH_CMA_MIN and n < sm.MPI_LINE_MIN]
+    assert [run["sizes"][i] for i in below] == [16 << 10, 32 << 10]  # kernel copies, below the line's sizes
+    for i in below:
+        run["time_s"]["mpi"][i] *= 0.5
+    after = sm.fit(run, constant=False)
+    assert (after.a_mpi, after.b_mpi, after.a_eager) == (before.a_mpi, before.b_mpi, before.a_eager)
+    run["time_s"]["mpi"][run["sizes"].index(sm.MPI_LINE_MIN)] *= 0.5  # the line's first size does count
+    assert sm.fit(run, constant=False).a_mpi != pytest.approx(before.a_mpi, rel=1e-3)
 
 
 def test_exact_times_give_zero_errors_on_every_held_out_layout():
@@ -214,10 +230,13 @@ def test_ranks_sharing_cores_run_one_after_the_other_and_hand_the_core_over_in_e
     assert model.machine.extra("shm", big) > model.b_window_core - model.b_window
     assert model.window_byte(big, shared_core=True) == pytest.approx(model.window_byte(big))
     assert model.measured_layout("window", n, 4, 1, 4) == pytest.approx(2 * model.a_window + 1.75 * byte * n)
+    # Ranks that share a core share its caches: their costs grow at twice the machine's working set.
+    assert (sm.layout_ws(n, 4, 4), sm.layout_ws(n, 4, 2), sm.layout_ws(n, 2, 1)) == (ws, 2 * ws, 4 * n)
+    assert model.window_byte(2 * ws, shared_core=True) > shared
     assert model.measured_layout("window", n, 4, 1, 2) == pytest.approx(
-        2 * (model.a_window + model.a_window_core) + (1.5 + 1.75) * shared * n)
+        2 * (model.a_window + model.a_window_core) + (1.5 + 1.75) * model.window_byte(2 * ws, shared_core=True) * n)
     assert model.measured_layout("window", n, 2, 1, 1) == pytest.approx(  # one core: no cross-core part
-        2 * model.a_window_core + 2 * model.window_byte(2 * n, shared_core=True) * n)
+        2 * model.a_window_core + 2 * model.window_byte(4 * n, shared_core=True) * n)
     without = sm.Model(model.machine, 3e-6, 0.1e-9, 2.5e-6, 0.25e-9, a_window_core=20e-6)
     with pytest.raises(ValueError, match="one core"):
         without.measured_layout("window", n, 4, 1, 2)
@@ -227,7 +246,8 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     # 4 ranks on 2 cores, rank r on core r % 2: step 1 pairs ranks 1 apart (two cores, each core copying
     # for its two ranks), step 2 ranks 2 apart (one core, one pair on each).
     model = _truth()
-    n, ws = 1 << 20, 4 << 20
+    n = 1 << 20
+    ws = sm.layout_ws(n, 4, 2)  # 8 n: the machine's 4 n, its cores' caches each shared by two ranks
     grow = model.copy_growth("private", ws)  # each core copies for both its ranks, on either kind of step
     assert model.mpi_step(n / 2, ws) == pytest.approx(model.a_mpi + (model.b_mpi + grow) * n / 2)
     expected = (2 * 2 * model.mpi_step(n / 2, ws) + 2 * (model.core_step(n / 4) + 2 * grow * n / 4)
@@ -369,6 +389,21 @@ def test_predict_prints_fit_checks_and_projection(tmp_path, capsys):
     assert "| +cache |" in out
     assert "| 4 ranks, 2 pretend nodes | window | 64 MiB |" in out
     assert "### 1 MiB" in out and "| 1024 |" in out
+    assert "The same MPI call" not in out
+
+
+def test_predict_names_the_same_mpi_call_measured_too_far_apart(tmp_path, capsys):
+    data = _data(_truth())
+    assert sm.same_call_disagreements(data["runs"]) == []
+    pretend = data["runs"]["4 ranks, 2 pretend nodes"]
+    at = pretend["sizes"].index(1 << 20)
+    pretend["sweeps_s"]["mpi"][at] = [t * 1.49 for t in pretend["sweeps_s"]["mpi"][at]]  # within: no prediction lost
+    pretend["sweeps_s"]["mpi"][at + 1] = [t * 1.6 for t in pretend["sweeps_s"]["mpi"][at + 1]]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(data))
+    assert sm.main(["--predict", "--data", str(path), "--project-sizes", "1M", "--project-ranks", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("The same MPI call"))
+    assert line.endswith("measure again): 2 MiB: 1.60x slower in '4 ranks, 2 pretend nodes'")
 
 
 def test_predict_names_what_is_missing(tmp_path):
@@ -496,12 +531,16 @@ def test_the_library_s_wait_is_fitted_per_call_and_added_once_per_cross_node_exc
     data = _data(truth)
     run = data["runs"][sm.FIT_LAYOUT]
     extra = [1.0 if s > sm.FIT_MAX else 5e-6 if i % 2 else 3e-6 for i, s in enumerate(run["sizes"])]
+    run["time_s"][sm.WAIT_REFERENCE] = list(run["time_s"]["mpi"])  # measured at every size, here
     run["time_s"][sm.WAITED] = [t + e for t, e in zip(run["time_s"]["mpi"], extra)]
     assert sum(e == 3e-6 for e in extra) == 5 and sum(e == 5e-6 for e in extra) == 4  # 4 KiB..1 MiB
     assert statistics.median(extra) == 5e-6  # all sizes: what a fit that kept the held-out ones would give
     assert sm.fit(run, constant=False).wait == pytest.approx(3e-6)
+    # The wait is what the waited call costs more than the Allreduce timed beside it, not the sweeps' mpi.
+    run["time_s"][sm.WAIT_REFERENCE] = [t - 1e-6 for t in run["time_s"]["mpi"]]
+    assert sm.fit(run, constant=False).wait == pytest.approx(4e-6)
     for entry in data["runs"].values():
-        del entry["sweeps_s"][sm.WAITED], entry["measured"]
+        del entry["sweeps_s"][sm.WAITED], entry["sweeps_s"][sm.WAIT_REFERENCE], entry["measured"]
     (tmp_path / "data.json").write_text(json.dumps(data))
     assert sm.main(["--predict", "--data", str(tmp_path / "data.json"), "--project-sizes", "1M",
                     "--project-ranks", "2"]) == 0
@@ -509,6 +548,20 @@ def test_the_library_s_wait_is_fitted_per_call_and_added_once_per_cross_node_exc
     assert out.count("a file from before the seventeenth session") == len(data["runs"])
     models = sm.fit_all(sm.load_data(str(tmp_path / "data.json"))["runs"])
     assert all(m.wait == 0.0 and m.wait_core == 0.0 for m in models)
+
+
+def test_a_file_that_timed_the_wait_among_the_paths_is_named_and_its_wait_taken_against_mpi(tmp_path, capsys):
+    data = _data(_truth())
+    for entry in data["runs"].values():  # as the seventeenth session measured: mpi_waited in the sweeps, no reference
+        entry["measured"] = sm.ROTATED_WAIT
+        entry["sweeps_s"][sm.WAITED] = [[t + 2e-6] for t in entry["time_s"]["mpi"]]
+        del entry["sweeps_s"][sm.WAIT_REFERENCE]
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    assert sm.main(["--predict", "--data", str(tmp_path / "data.json"), "--project-sizes", "1M",
+                    "--project-ranks", "2"]) == 0
+    assert capsys.readouterr().out.count("it timed mpi_waited among the judged paths") == len(data["runs"])
+    models = sm.fit_all(sm.load_data(str(tmp_path / "data.json"))["runs"])
+    assert all(m.wait == pytest.approx(2e-6) and m.wait_core == pytest.approx(2e-6) for m in models)
 
 
 def test_layout_keys_name_a_shared_core():
@@ -535,8 +588,11 @@ def test_measure_on_one_core_writes_the_same_core_layout_and_its_fault_probe(tmp
     assert run["cores"] == 1 and run["machine_ranks"] == 2 and run["affinity"] == [[core], [core]]
     assert all(t is not None and t > 0 for t in run["time_s"]["fault"])  # every size up to 1 MiB
     assert run["fault_probe"] == sm.FAULT_PROBE
-    assert run["measured"] == ["mpi", "window", sm.WAITED, "shm_pass", "private_pass", "fault"]
-    assert all(t is not None and t > 0 for t in run["time_s"][sm.WAITED])
+    assert run["measured"] == ["mpi", "window", "shm_pass", "private_pass", "fault", sm.WAIT_REFERENCE, sm.WAITED]
+    for name in (sm.WAIT_REFERENCE, sm.WAITED):  # after the sweeps, once, beside each other
+        assert all(t is not None and t > 0 for t in run["time_s"][name])
+        assert [len(v) for v in run["sweeps_s"][name]] == [1] * len(run["sizes"])
+    assert done.stdout.count(f": {sm.WAIT_REFERENCE} ") == len(run["sizes"])
 
 
 def _vma_facts(address: int) -> dict[str, str]:
