@@ -5,7 +5,7 @@
     mpiexec -bind-to core -n 4 python benchmarks/scale_model.py --measure      # held out: 4 ranks
     MPISTRAT_PRETEND_NODES=2 mpiexec -bind-to core -n 4 python benchmarks/scale_model.py --measure
     python benchmarks/scale_model.py --predict [--net-latency-us 1.2] [--net-gbps 192]
-    python benchmarks/scale_model.py --all      # the four runs above, in rounds, then --predict (about 4 minutes)
+    python benchmarks/scale_model.py --all      # the four runs above, in rounds, then --predict (about 8 minutes)
 
 ``--measure`` times, with ``allreduce.py``'s method (warm-up; calls interleaved in a new random order
 per iteration, each after a barrier; the slowest rank's time; the median over iterations), for
@@ -1076,7 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=DEFAULT_DATA, help="the measurements (JSON; default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=2, help="sweeps over the sizes per measurement")
     parser.add_argument("--append", action="store_true", help="--measure: add the sweeps to the layout's in --data")
-    parser.add_argument("--rounds", type=int, default=5, help="--all: measure the four layouts this many times")
+    parser.add_argument("--rounds", type=int, default=10, help="--all: measure the four layouts this many times")
     parser.add_argument("--statistic", choices=STATISTICS, default="min",
                         help="--predict: of a size's sweeps, the one fitted and checked (default: %(default)s)")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per size and sweep")
