@@ -49,18 +49,18 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
 * MPI within a node: MPICH's reduce-scatter + all-gather (Rabenseifner), ``log2 p`` steps each way,
   step k sending ``n / 2^k`` bytes (``a_m + b_m x``: a step of 8 KiB or more is a kernel copy after a
   handshake, its line fitted from 64 KiB all-reduces up, a shorter one goes through MPICH's shared
-  cells with a latency of its own) and the
-  reduce-scatter summing them, plus the first-touch faults of the ``n / 2`` bytes MPICH's scratch
-  buffer receives, from 32 MiB (glibc maps allocations above its largest mmap threshold afresh on
-  every call);
+  cells with a latency of its own) and the reduce-scatter summing them, plus the first-touch faults of
+  the ``n / 2`` bytes MPICH's scratch buffer receives, from 32 MiB (glibc maps allocations above its
+  largest mmap threshold afresh on every call);
 * hierarchical: the window's reduce-scatter per node, each slice owner's ``n / p`` bytes of window
   all-reduced with MPI across the nodes (its sums into the window at the shared-memory probe's cost; on
   pretend nodes its copies growing beyond the fit as MPI's do; across a network, the link's; plus what
-  the library's wait adds per call, ``mpi_waited``'s), the push;
+  the library's wait adds per call, ``mpi_waited``'s less ``mpi_beside_waited``'s), the push;
 * ranks that outnumber the machine's cores (4 on 2, numbered round robin over the cores as hydra's
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
   synchronisation costs the hand-over of the core besides ``a_w``, and a byte their plans write the
-  same-core run's cost within the cache (both fitted on the run with both ranks on one core); an MPI
+  same-core run's cost (both fitted on the run with both ranks on one core) or, where more, the probe's
+  extra at their working set, which counts the ranks per core (``layout_ws``: they share its caches); an MPI
   step between ranks of two cores is each core's ranks' steps one after the other, a step between ranks
   of one core (ranks 2^(k-1) apart, a multiple of the cores) the same-core run's step, and the library's
   wait of such a pair the same-core run's.
@@ -97,6 +97,7 @@ SIZES = [4096 << i for i in range(15)]  # 4 KiB .. 64 MiB, float32
 FIT_MAX = 1 << 20  # the fit uses the 2-rank run up to this size
 CHECK_MIN = 64 << 10  # predictions are judged from this size up
 TARGET = 0.20  # the issue's bound on a prediction's relative error
+SAME_CALL_BOUND = (1 + TARGET) / (1 - TARGET)  # two measurements further apart: no prediction within TARGET of both
 FAULT_FIT_MIN = 256 << 10  # below, a mapping's fixed cost hides the faults
 PAGE = 4096
 # glibc (mallopt(3), M_MMAP_THRESHOLD): the dynamic threshold never rises above 4 MiB * sizeof(long),
@@ -114,9 +115,9 @@ MPICH_BINOMIAL_BCAST_MAX = 12288  # coll_selection.json: binomial broadcast belo
 # MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD: a message of at least this many bytes between ranks of a node is
 # copied once, by the kernel (CMA, after a handshake); a shorter one goes through MPICH's shared cells.
 MPICH_CMA_MIN = 8192
-# MPI's kernel-copy line (latency, cost per byte) is fitted from this size, the first the issue judges: the cost
-# per byte falls as the steps grow up to the fit's largest (benchmarks/README.md), and the held-out sizes continue
-# the larger steps' line. The 16 and 32 KiB all-reduces (kernel copies of 8 and 16 KiB) are not fitted.
+# MPI's kernel-copy line (latency, cost per byte) is fitted from this size, the first the issue judges, so that
+# the held-out sizes continue the larger steps' line (benchmarks/README.md, eighteenth session). The 16 and 32 KiB
+# all-reduces (kernel copies of 8 and 16 KiB) are not fitted.
 MPI_LINE_MIN = CHECK_MIN
 DEFAULT_NET_LATENCY_US = 1.2  # HBv3, HDR InfiniBand, osu_latency, 1 byte (module docstring)
 DEFAULT_NET_GBPS = 192.0  # HBv3, HDR InfiniBand (200 Gb/s line rate), osu_bw, one way
@@ -269,8 +270,8 @@ def measure(args: argparse.Namespace) -> int:
             iters[i].append(n_iter)
             say(f"  sweep {sweep + 1}/{args.repeats} {human(size):>9}: "
                 + " ".join(f"{name} {medians[name][i][-1] * 1e6:.1f}" for name in fns) + " us", flush=True)
-    # The library's wait after the sweeps, never among the judged paths: timed among them, it slowed the 4-rank
-    # window by up to a quarter (benchmarks/README.md). At the fit's sizes, the only ones the fit reads.
+    # The library's wait after the sweeps, never among the judged paths, whose times it disturbs
+    # (benchmarks/README.md, eighteenth session). At the fit's sizes, the only ones the fit reads.
     for i, size in enumerate(sizes):
         if size <= FIT_MAX:
             region = waited_region[: size // 4]
@@ -620,6 +621,8 @@ class Model:
         (1 or 2) cores: the sum of ``n / 2`` bytes, MPICH's scratch buffer's faults and the copies' growth at
         :func:`layout_ws`, for each rank of a core, one after the other."""
         ws = layout_ws(n, 2, cores)
+        if cores not in (1, 2):
+            raise ValueError(f"the 2-rank fit runs on 1 or 2 cores, got {cores}")
         per_core = 2 // cores
         return per_core * (self.reduce(n / 2, ws) + self.faults(n, 2) + self.copy_growth("private", ws) * n)
 
@@ -777,8 +780,9 @@ def _fit_line(x: np.ndarray, rest: np.ndarray, measured: np.ndarray, syncs: floa
 def _fit_lines(run: dict[str, Any],
                rest_of: Callable[[float], float]) -> tuple[float, float, float, float, float | None]:
     """A 2-rank run's lines up to ``FIT_MAX``: the window's ``a`` and ``b`` (two synchronisations and the bytes
-    the plans of the core that runs the most write, :func:`core_load`; within the fit's working set a byte
-    costs ``b``, no extra), and MPI's ``a``, ``b``
+    the plans of the core that runs the most write, :func:`core_load`; within the fit's sizes a byte
+    costs ``b``, no extra: exact on the same-core run while its plans' extra cost per byte exceeds the probe's
+    extra at its 1 MiB working set, ``layout_ws``, as on the data so far), and MPI's ``a``, ``b``
     and the short steps' latency (None where every step is a kernel copy): one step each way of n/2 bytes
     plus ``rest_of(n)``, the latency and the per-byte cost from the sizes whose steps the kernel copies from
     ``MPI_LINE_MIN`` up, the shorter steps' latency beside them."""
@@ -881,7 +885,7 @@ def same_call_disagreements(runs: dict[str, Any]) -> list[str]:
     """The judged sizes at which two layouts that ran the same MPI call (the same ranks on the same cores: MPI knows
     nothing of pretend nodes) measured it more than ``(1 + TARGET) / (1 - TARGET)`` times apart, so that no
     prediction can lie within ``TARGET`` of both: the machine's speed changed between the runs."""
-    bound = (1 + TARGET) / (1 - TARGET)
+    bound = SAME_CALL_BOUND
     keys = [key for key in runs if key != SAME_CORE_LAYOUT]
     out = []
     for i, first in enumerate(keys):
@@ -981,7 +985,7 @@ def predict(args: argparse.Namespace) -> int:
                 "twice the fault cost of MPICH's private ones); measure it again")
         if run.get("measured") == ROTATED_WAIT:
             say(f"#     a file of the seventeenth session of issue 23: it timed {WAITED} among the judged paths, which "
-                "slowed the 4-rank window by up to a quarter; measure it again")
+                "disturbs their times; measure it again")
         if "measured" not in run:
             say("#     a file from before the seventeenth session of issue 23: its MPI buffers and private probe "
                 "lay on huge pages or not by the allocator's history (the model takes 4 KiB pages), and it has "
@@ -1012,7 +1016,7 @@ def predict(args: argparse.Namespace) -> int:
     print_checks(checks(data, models), args.statistic, say)
     disagreements = same_call_disagreements(runs)
     if disagreements:
-        say(f"\nThe same MPI call, measured in two layouts, more than {(1 + TARGET) / (1 - TARGET):.2f}x apart (no "
+        say(f"\nThe same MPI call, measured in two layouts, more than {SAME_CALL_BOUND:.2f}x apart (no "
             f"prediction can lie within {TARGET:.0%} of both; the machine's speed changed between the runs, "
             f"measure again): " + "; ".join(disagreements))
     say(f"\nHeld out, every layout, within {TARGET:.0%}, per statistic of the sweeps: "

@@ -264,9 +264,20 @@ def test_mpi_steps_between_ranks_of_one_core_take_the_same_core_step():
     # each pair completes its Iallreduce with the library's waiter, on its one core: the same-core run's wait
     assert model.measured_layout("window", n, 4, 2, 2) == pytest.approx(node + cross + model.wait_core)
     big = 64 << 20  # MPICH's scratch buffer faults in on both ranks of each core
-    assert model.mpi_machine(big, 2, 2 * big, per_core=2, cores=1) == pytest.approx(
-        2 * (model.core_step(big / 2) + 2 * model.copy_growth("private", 2 * big) * big / 2)
-        + 2 * model.reduce(big / 2, 2 * big) + 2 * model.faults(big, 2))
+    ws = sm.layout_ws(big, 2, 1)
+    assert model.mpi_machine(big, 2, ws, per_core=2, cores=1) == pytest.approx(
+        2 * (model.core_step(big / 2) + 2 * model.copy_growth("private", ws) * big / 2)
+        + 2 * model.reduce(big / 2, ws) + 2 * model.faults(big, 2))
+    # The fit's rest is what mpi_machine adds beyond the two line steps, on either core count.
+    for size in (64 << 10, 1 << 20, big):
+        two = sm.layout_ws(size, 2, 2)
+        assert model.measured_layout("mpi", size, 2, 1, 2) == pytest.approx(
+            2 * sm._message_step(size / 2, model.a_mpi, model.a_eager, model.b_mpi) + model.mpi_rest(size, cores=2))
+        assert model.measured_layout("mpi", size, 2, 1, 1) == pytest.approx(
+            2 * model.core_step(size / 2) + model.mpi_rest(size, cores=1))
+        assert two == 2 * size
+    with pytest.raises(ValueError, match="1 or 2 cores"):
+        model.mpi_rest(big, cores=4)
 
 
 def test_pretend_nodes_add_the_owners_cross_node_all_reduce():
