@@ -23,7 +23,7 @@ The paths and probes:
 * ``mpi_waited`` and ``mpi_beside_waited``: ``Iallreduce(IN_PLACE)`` of node shared memory completed by the
   library's ``Waiter``, as the hierarchical path's slice owners run their exchange, and ``Allreduce(IN_PLACE)``
   of the same memory, interleaved with each other after the sweeps, up to 1 MiB, once per ``--measure``
-  (timed among the paths, the waited call slowed the 4-rank window); fit inputs, judged nowhere;
+  (never among the judged paths, whose times it disturbs); fit inputs, judged nowhere;
 * probes of the machine, no communication: ``shm_pass`` and ``private_pass`` (``np.add(a, b,
   out=a)`` over the halves of an n-byte region of node shared memory / of a private region, both on 4 KiB
   pages and written before the sweeps, every rank at once) and ``fault`` (first touch of a fresh n-byte
@@ -620,9 +620,9 @@ class Model:
         """What :meth:`mpi_machine` adds to the two message steps of a 2-rank all-reduce of ``n`` bytes on ``cores``
         (1 or 2) cores: the sum of ``n / 2`` bytes, MPICH's scratch buffer's faults and the copies' growth at
         :func:`layout_ws`, for each rank of a core, one after the other."""
-        ws = layout_ws(n, 2, cores)
         if cores not in (1, 2):
             raise ValueError(f"the 2-rank fit runs on 1 or 2 cores, got {cores}")
+        ws = layout_ws(n, 2, cores)
         per_core = 2 // cores
         return per_core * (self.reduce(n / 2, ws) + self.faults(n, 2) + self.copy_growth("private", ws) * n)
 
@@ -883,9 +883,8 @@ def held_out(found: list[Check]) -> list[Check]:
 
 def same_call_disagreements(runs: dict[str, Any]) -> list[str]:
     """The judged sizes at which two layouts that ran the same MPI call (the same ranks on the same cores: MPI knows
-    nothing of pretend nodes) measured it more than ``(1 + TARGET) / (1 - TARGET)`` times apart, so that no
-    prediction can lie within ``TARGET`` of both: the machine's speed changed between the runs."""
-    bound = SAME_CALL_BOUND
+    nothing of pretend nodes) measured it more than ``SAME_CALL_BOUND`` times apart, so that no prediction can
+    lie within ``TARGET`` of both: the machine's speed changed between the runs."""
     keys = [key for key in runs if key != SAME_CORE_LAYOUT]
     out = []
     for i, first in enumerate(keys):
@@ -894,7 +893,7 @@ def same_call_disagreements(runs: dict[str, Any]) -> list[str]:
             if (a["ranks"], a["cores"], a["sizes"]) != (b["ranks"], b["cores"], b["sizes"]):
                 continue
             for size, x, y in zip(a["sizes"], a["time_s"]["mpi"], b["time_s"]["mpi"]):
-                if size >= CHECK_MIN and x and y and max(x, y) / min(x, y) > bound:
+                if size >= CHECK_MIN and x and y and max(x, y) / min(x, y) > SAME_CALL_BOUND:
                     slower = first if x > y else second
                     out.append(f"{human(size)}: {max(x, y) / min(x, y):.2f}x slower in {slower!r}")
     return out
