@@ -832,13 +832,16 @@ def fit(run: dict[str, Any], constant: bool, core_run: dict[str, Any] | None = N
 def _wait_extra(run: dict[str, Any]) -> float:
     """The median, over the sizes up to ``FIT_MAX``, of what ``mpi_waited`` (``Iallreduce`` of shared memory polled
     by the library's waiter) costs more than ``Allreduce`` of the same memory timed beside it (``mpi`` in a file of
-    the seventeenth session, which timed the waited call among the paths): a cost per call. 0 where the run did not
+    the seventeenth session, which timed the waited call among the paths): a cost per call. Each size's is the
+    median of the differences of the times measured together (one pair per round, or per sweep in such a file),
+    whatever ``--statistic``: the least of each name could come from different rounds. 0 where the run did not
     measure it (a file from before the seventeenth session)."""
-    waited = run["time_s"].get(WAITED) or []
-    reference = run["time_s"].get(WAIT_REFERENCE) or run["time_s"]["mpi"]
-    pairs = [(w, m) for s, w, m in zip(run["sizes"], waited, reference)
-             if s <= FIT_MAX and w is not None and m is not None]
-    return statistics.median(w - m for w, m in pairs) if pairs else 0.0
+    sweeps = run["sweeps_s"]
+    waited = sweeps.get(WAITED) or []
+    reference = sweeps.get(WAIT_REFERENCE) or sweeps["mpi"]
+    per_size = [statistics.median(w - m for w, m in zip(ws, ms))
+                for s, ws, ms in zip(run["sizes"], waited, reference) if s <= FIT_MAX and ws and ms]
+    return statistics.median(per_size) if per_size else 0.0
 
 
 # -- reports --------------------------------------------------------------------------------------
@@ -884,18 +887,21 @@ def held_out(found: list[Check]) -> list[Check]:
 def same_call_disagreements(runs: dict[str, Any]) -> list[str]:
     """The judged sizes at which two layouts that ran the same MPI call (the same ranks on the same cores: MPI knows
     nothing of pretend nodes) measured it more than ``SAME_CALL_BOUND`` times apart, so that no prediction can
-    lie within ``TARGET`` of both: the machine's speed changed between the runs."""
+    lie within ``TARGET`` of both: the machine's speed changed between the runs. Sizes are matched by value, so runs
+    of different size lists are compared where they overlap."""
     keys = [key for key in runs if key != SAME_CORE_LAYOUT]
     out = []
     for i, first in enumerate(keys):
         for second in keys[i + 1:]:
             a, b = runs[first], runs[second]
-            if (a["ranks"], a["cores"], a["sizes"]) != (b["ranks"], b["cores"], b["sizes"]):
+            if (a["ranks"], a["cores"]) != (b["ranks"], b["cores"]):
                 continue
-            for size, x, y in zip(a["sizes"], a["time_s"]["mpi"], b["time_s"]["mpi"]):
+            theirs = dict(zip(b["sizes"], b["time_s"]["mpi"]))
+            for size, x in zip(a["sizes"], a["time_s"]["mpi"]):
+                y = theirs.get(size)
                 if size >= CHECK_MIN and x and y and max(x, y) / min(x, y) > SAME_CALL_BOUND:
-                    slower = first if x > y else second
-                    out.append(f"{human(size)}: {max(x, y) / min(x, y):.2f}x slower in {slower!r}")
+                    slower, faster = (first, second) if x > y else (second, first)
+                    out.append(f"{human(size)}: {max(x, y) / min(x, y):.2f}x slower in {slower!r} than in {faster!r}")
     return out
 
 

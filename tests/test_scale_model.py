@@ -104,6 +104,14 @@ def test_the_mpi_line_is_fitted_from_the_first_judged_size():
     assert (after.a_mpi, after.b_mpi, after.a_eager) == (before.a_mpi, before.b_mpi, before.a_eager)
     run["time_s"]["mpi"][run["sizes"].index(sm.MPI_LINE_MIN)] *= 0.5  # the line's first size does count
     assert sm.fit(run, constant=False).a_mpi != pytest.approx(before.a_mpi, rel=1e-3)
+    # the same-core run's line likewise
+    runs = _data(_truth())["runs"]
+    core = runs[sm.SAME_CORE_LAYOUT]
+    before = sm.fit(runs[sm.FIT_LAYOUT], constant=False, core_run=core)
+    for i in below:
+        core["time_s"]["mpi"][i] *= 0.5
+    after = sm.fit(runs[sm.FIT_LAYOUT], constant=False, core_run=core)
+    assert (after.a_core, after.b_core, after.a_core_eager) == (before.a_core, before.b_core, before.a_core_eager)
 
 
 def test_exact_times_give_zero_errors_on_every_held_out_layout():
@@ -414,7 +422,26 @@ def test_predict_names_the_same_mpi_call_measured_too_far_apart(tmp_path, capsys
     path.write_text(json.dumps(data))
     assert sm.main(["--predict", "--data", str(path), "--project-sizes", "1M", "--project-ranks", "2"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("The same MPI call"))
-    assert line.endswith("measure again): 2 MiB: 1.60x slower in '4 ranks, 2 pretend nodes'")
+    assert line.endswith("measure again): 2 MiB: 1.60x slower in '4 ranks, 2 pretend nodes' than in '4 ranks, 1 node'")
+
+
+def test_the_same_call_check_matches_sizes_judges_from_the_first_judged_size_and_skips_unmeasured_ones():
+    runs = {key: dict(run) for key, run in _data(_truth())["runs"].items()}
+    one, pretend = runs["4 ranks, 1 node"], runs["4 ranks, 2 pretend nodes"]
+    mpi = list(one["time_s"]["mpi"])
+    at = {n: i for i, n in enumerate(one["sizes"])}
+    slow = [2 * t if n in (32 << 10, 64 << 10, 4 << 20) else t for n, t in zip(one["sizes"], mpi)]
+    slow[at[8 << 20]] = None  # not measured in one layout: nothing to compare
+    mpi[at[8 << 20]] = 0.1 * mpi[at[8 << 20]]
+    one["time_s"] = dict(one["time_s"], mpi=mpi)
+    pretend["time_s"] = dict(pretend["time_s"], mpi=slow)
+    assert sm.same_call_disagreements(runs) == [
+        "64 KiB: 2.00x slower in '4 ranks, 2 pretend nodes' than in '4 ranks, 1 node'",
+        "4 MiB: 2.00x slower in '4 ranks, 2 pretend nodes' than in '4 ranks, 1 node'"]
+    keep = [i for i, n in enumerate(pretend["sizes"]) if n != 1 << 20]  # a shorter list: compared where it overlaps
+    pretend["sizes"] = [pretend["sizes"][i] for i in keep]
+    pretend["time_s"] = dict(pretend["time_s"], mpi=[slow[i] for i in keep])
+    assert len(sm.same_call_disagreements(runs)) == 2
 
 
 def test_predict_names_what_is_missing(tmp_path):
@@ -502,6 +529,10 @@ def test_append_is_checked_before_measuring_and_the_file_keeps_only_measurements
     sm._merge(path, "4 ranks, 1 node", older)
     problem, _ = sm._append_state(path, "4 ranks, 1 node", facts)
     assert problem.startswith("the data file's run has measured=None, this one ['mpi', 'window', 'mpi_waited']")
+    # nor one that timed the wait among the paths (the seventeenth session's)
+    sm._merge(path, "4 ranks, 1 node", dict(run, measured=sm.ROTATED_WAIT))
+    problem, _ = sm._append_state(path, "4 ranks, 1 node", dict(facts, measured=sm.MEASURED))
+    assert problem.startswith(f"the data file's run has measured={sm.ROTATED_WAIT!r}, this one {sm.MEASURED!r}")
 
 
 def test_the_fit_refuses_an_oversubscribed_or_wrong_layout():
@@ -542,14 +573,19 @@ def test_the_library_s_wait_is_fitted_per_call_and_added_once_per_cross_node_exc
     data = _data(truth)
     run = data["runs"][sm.FIT_LAYOUT]
     extra = [1.0 if s > sm.FIT_MAX else 5e-6 if i % 2 else 3e-6 for i, s in enumerate(run["sizes"])]
-    run["time_s"][sm.WAIT_REFERENCE] = list(run["time_s"]["mpi"])  # measured at every size, here
-    run["time_s"][sm.WAITED] = [t + e for t, e in zip(run["time_s"]["mpi"], extra)]
+    run["sweeps_s"][sm.WAIT_REFERENCE] = [[t] for t in run["time_s"]["mpi"]]  # measured at every size, here
+    run["sweeps_s"][sm.WAITED] = [[t + e] for t, e in zip(run["time_s"]["mpi"], extra)]
     assert sum(e == 3e-6 for e in extra) == 5 and sum(e == 5e-6 for e in extra) == 4  # 4 KiB..1 MiB
     assert statistics.median(extra) == 5e-6  # all sizes: what a fit that kept the held-out ones would give
     assert sm.fit(run, constant=False).wait == pytest.approx(3e-6)
     # The wait is what the waited call costs more than the Allreduce timed beside it, not the sweeps' mpi.
-    run["time_s"][sm.WAIT_REFERENCE] = [t - 1e-6 for t in run["time_s"]["mpi"]]
+    run["sweeps_s"][sm.WAIT_REFERENCE] = [[t - 1e-6] for t in run["time_s"]["mpi"]]
     assert sm.fit(run, constant=False).wait == pytest.approx(4e-6)
+    # Each size's extra is the median of the rounds' differences, each round's two calls timed together; the least
+    # of each name (7 and 10 us, from different rounds) would give 3 us.
+    run["sweeps_s"][sm.WAITED] = [[10e-6, 30e-6, 12e-6] for _ in run["sizes"]]
+    run["sweeps_s"][sm.WAIT_REFERENCE] = [[9e-6, 28e-6, 7e-6] for _ in run["sizes"]]
+    assert sm.fit(run, constant=False).wait == pytest.approx(2e-6)
     for entry in data["runs"].values():
         del entry["sweeps_s"][sm.WAITED], entry["sweeps_s"][sm.WAIT_REFERENCE], entry["measured"]
     (tmp_path / "data.json").write_text(json.dumps(data))
@@ -591,19 +627,22 @@ def test_measure_on_one_core_writes_the_same_core_layout_and_its_fault_probe(tmp
     data = tmp_path / "sm.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_"))}
     cmd = ["timeout", "-k", "10", "100", mpiexec, "-bind-to", f"user:{core},{core}", "-n", "2", sys.executable, _PATH,
-           "--measure", "--data", str(data), "--max-size", "1M", "--repeats", "1", "--budget", "0.01"]
+           "--measure", "--data", str(data), "--max-size", "2M", "--repeats", "1", "--budget", "0.01"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=130, env=env, stdin=subprocess.DEVNULL,
                           check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     run = sm.load_data(str(data))["runs"][sm.SAME_CORE_LAYOUT]
     assert run["cores"] == 1 and run["machine_ranks"] == 2 and run["affinity"] == [[core], [core]]
-    assert all(t is not None and t > 0 for t in run["time_s"]["fault"])  # every size up to 1 MiB
+    fitted = [n <= sm.FIT_MAX for n in run["sizes"]]
+    assert run["sizes"][-1] == 2 * sm.FIT_MAX and not fitted[-1]
+    assert [t is not None and t > 0 for t in run["time_s"]["fault"]] == fitted  # every size up to 1 MiB, no further
     assert run["fault_probe"] == sm.FAULT_PROBE
     assert run["measured"] == ["mpi", "window", "shm_pass", "private_pass", "fault", sm.WAIT_REFERENCE, sm.WAITED]
-    for name in (sm.WAIT_REFERENCE, sm.WAITED):  # after the sweeps, once, beside each other
-        assert all(t is not None and t > 0 for t in run["time_s"][name])
-        assert [len(v) for v in run["sweeps_s"][name]] == [1] * len(run["sizes"])
-    assert done.stdout.count(f": {sm.WAIT_REFERENCE} ") == len(run["sizes"])
+    for name in (sm.WAIT_REFERENCE, sm.WAITED):  # after the sweeps, once, beside each other, up to 1 MiB
+        assert [t is not None and t > 0 for t in run["time_s"][name]] == fitted
+        assert [len(v) for v in run["sweeps_s"][name]] == [int(f) for f in fitted]
+    assert done.stdout.count(f": {sm.WAIT_REFERENCE} ") == sum(fitted)
+    assert all(t > 0 for t in run["time_s"]["mpi"]) and len(run["time_s"]["mpi"]) == len(fitted)
 
 
 def _vma_facts(address: int) -> dict[str, str]:
