@@ -60,7 +60,8 @@ and projects the flat and the hierarchical path to clusters. Each path's form fo
   ``-bind-to core`` places them): each core runs its ranks' work one after the other; a node
   synchronisation costs the hand-over of the core besides ``a_w``, and a byte their plans write the
   same-core run's cost (both fitted on the run with both ranks on one core) or, where more, the probe's
-  extra at their working set, which counts the ranks per core (``layout_ws``: they share its caches); an MPI
+  extra at their working set, which counts the ranks per core (``layout_ws``: they share its caches; MPI's
+  copies and sums of its own buffers grow at the machine's working set); an MPI
   step between ranks of two cores is each core's ranks' steps one after the other, a step between ranks
   of one core (ranks 2^(k-1) apart, a multiple of the cores) the same-core run's step, and the library's
   wait of such a pair the same-core run's.
@@ -514,8 +515,10 @@ def window_writes(local: int, local_rank: int) -> float:
 
 
 def layout_ws(n: float, ranks: int, cores: int) -> float:
-    """The working set at which the per-byte costs of ``ranks`` on ``cores`` cores, each all-reducing ``n`` bytes,
-    grow: the machine's (``ranks * n``) times the ranks that share a core, as they share its caches."""
+    """The working set at which the per-byte costs of work on window memory (the plans, the slice owners' exchange)
+    of ``ranks`` on ``cores`` cores, each all-reducing ``n`` bytes, grow: the machine's (``ranks * n``) times the
+    ranks that share a core, as they share its caches. MPI's copies and sums of its own buffers grow at the
+    machine's (benchmarks/README.md, nineteenth session)."""
     return ranks * n * max(1, ranks // cores)
 
 
@@ -618,11 +621,11 @@ class Model:
 
     def mpi_rest(self, n: float, cores: int) -> float:
         """What :meth:`mpi_machine` adds to the two message steps of a 2-rank all-reduce of ``n`` bytes on ``cores``
-        (1 or 2) cores: the sum of ``n / 2`` bytes, MPICH's scratch buffer's faults and the copies' growth at
-        :func:`layout_ws`, for each rank of a core, one after the other."""
+        (1 or 2) cores: the sum of ``n / 2`` bytes, MPICH's scratch buffer's faults and the copies' growth at the
+        machine's working set, for each rank of a core, one after the other."""
         if cores not in (1, 2):
             raise ValueError(f"the 2-rank fit runs on 1 or 2 cores, got {cores}")
-        ws = layout_ws(n, 2, cores)
+        ws = 2 * n
         per_core = 2 // cores
         return per_core * (self.reduce(n / 2, ws) + self.faults(n, 2) + self.copy_growth("private", ws) * n)
 
@@ -666,14 +669,14 @@ class Model:
         outnumber cores, each core runs its ranks' work one after the other (:meth:`mpi_machine` for
         MPI; for the window, :func:`core_load`), and a node synchronisation costs what it costs between
         two ranks of one core (the hand-over) besides, with ranks on several cores, what it costs between
-        two cores. Per-byte costs grow at :func:`layout_ws`."""
+        two cores. The window's per-byte costs grow at :func:`layout_ws`, MPI's at the machine's working set."""
         if ranks > cores and ranks % cores:
             raise ValueError(f"{ranks} ranks on {cores} cores: the model takes ranks that share cores evenly")
         per_core = max(1, ranks // cores)
         local = ranks // nodes
-        ws = layout_ws(n, ranks, cores)
         if path == "mpi":  # MPI knows nothing of pretend nodes: one machine
-            return self.mpi_machine(n, ranks, ws, per_core, cores)
+            return self.mpi_machine(n, ranks, ranks * n, per_core, cores)
+        ws = layout_ws(n, ranks, cores)
         sync = self.a_window if cores > 1 else 0.0
         if per_core > 1:
             if self.a_window_core is None:
